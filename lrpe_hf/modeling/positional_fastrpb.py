@@ -1,0 +1,86 @@
+"""FastRPB: a learnable Toeplitz positional bias added to the attention output, Y = Attention(Q, K, V) + W V.
+
+W[s, t] = w[p_s - p_t] per head, one weight per relative distance |p_s - p_t| < max_positions. W V is a
+convolution of the values along positions, computed with the FFT in O(N log N) time and O(N) memory: the
+values are summed into one bin per position (so any integer positions work, padding included), convolved
+with the lag weights, and read back at the query positions. Causal models zero every negative lag
+(t after s). 2D uses the separable bias w_row(row_s - row_t) + w_col(col_s - col_t) = a row Toeplitz over
+row sums plus a column Toeplitz over column sums (separate row and column weights).
+"""
+
+import torch
+from torch import nn
+
+from .positional_encoding import PositionalEncoding
+
+
+def toeplitz_apply(lag_weights: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """Multiply by the Toeplitz matrix W[s, t] = w[s - t] via FFT.
+
+    lag_weights (H, 2S - 1) for lags -(S-1)..(S-1); values (B, H, S, d) -> (B, H, S, d).
+    """
+    S = values.shape[-2]
+    n = 2 * S - 1  # enough to keep the needed outputs free of circular wrap-around
+    dtype = torch.promote_types(values.dtype, torch.float32)  # the FFT has no half-precision CPU kernels
+    kernel = torch.fft.rfft(lag_weights.to(dtype), n=n, dim=-1)[None, :, :, None]
+    signal = torch.fft.rfft(values.to(dtype), n=n, dim=-2)
+    full = torch.fft.irfft(kernel * signal, n=n, dim=-2)
+    return full[..., S - 1 : 2 * S - 1, :].to(values.dtype)
+
+
+class FastRelativePositionBias(PositionalEncoding):
+    def __init__(self, num_heads: int, max_positions: int, position_dims: int = 1, init_std: float = 0.0):
+        super().__init__()
+        self.max_positions = max_positions
+        weights = torch.zeros(position_dims, num_heads, 2 * max_positions - 1)
+        if init_std > 0:
+            weights.normal_(0.0, init_std)
+        self.weights = nn.Parameter(weights)  # [axis, head, max_positions - 1 + lag]
+
+    def lag_weights(self, axis: int, span: int, causal: bool) -> torch.Tensor:
+        """(H, 2 span - 1) weights for lags -(span-1)..(span-1); negative lags zeroed when causal."""
+        center = self.max_positions - 1
+        weights = self.weights[axis, :, center - span + 1 : center + span]
+        if causal:
+            weights = torch.cat([torch.zeros_like(weights[:, : span - 1]), weights[:, span - 1 :]], dim=-1)
+        return weights
+
+    def check_span(self, span: int):
+        if span > self.max_positions:
+            raise ValueError(
+                f"fastrpb learns biases for relative distances below max_positions={self.max_positions}, but these "
+                f"positions span {span}; use shorter inputs or a model with a larger max_positions"
+            )
+
+    def value_bias(self, values, key_positions, query_positions, causal):
+        """values (B, H, T, d) (zero where padded), key_positions (B, T, A), query_positions (B, N, A) -> (B, H, N, d)."""
+        if query_positions.shape[1] * key_positions.shape[1] <= 4096 * 64:
+            return self.dense(values, key_positions, query_positions, causal)
+        return self.fft(values, key_positions, query_positions, causal)
+
+    def fft(self, values, key_positions, query_positions, causal):
+        B, H, T, d = values.shape
+        out = 0
+        for axis in range(key_positions.shape[-1]):
+            keys, queries = key_positions[..., axis], query_positions[..., axis]
+            lo = torch.minimum(keys.amin(1), queries.amin(1))  # (B,)
+            span = int(torch.maximum(keys.amax(1), queries.amax(1)).sub(lo).max()) + 1
+            self.check_span(span)
+            bins = values.new_zeros(B, H, span, d)
+            bins.scatter_add_(2, (keys - lo[:, None])[:, None, :, None].expand(B, H, T, d), values)
+            mixed = toeplitz_apply(self.lag_weights(axis, span, causal), bins)
+            index = (queries - lo[:, None])[:, None, :, None].expand(B, H, queries.shape[1], d)
+            out = out + mixed.gather(2, index)
+        return out
+
+    def dense(self, values, key_positions, query_positions, causal):
+        """The same product with an explicit (N x T) weight matrix; cheaper for short inputs and single steps."""
+        out = 0
+        for axis in range(key_positions.shape[-1]):
+            lags = query_positions[..., axis, None] - key_positions[:, None, :, axis]  # (B, N, T)
+            self.check_span(int(lags.abs().max()) + 1)
+            weights = self.weights[axis][:, self.max_positions - 1 + lags].transpose(0, 1)  # (B, H, N, T)
+            if causal:
+                weights = weights.masked_fill((lags < 0)[:, None], 0.0)
+            out = out + weights.to(values.dtype) @ values
+        return out

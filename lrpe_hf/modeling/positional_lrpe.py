@@ -1,0 +1,102 @@
+"""LRPE (Qin et al.): W_s = P^H Lambda(s) P, applied as Lambda(s) P to phi(q) and phi(k).
+
+The trailing P^H of W_s cancels in (W_s q)^H (W_t k) (eq. 75), so each feature vector is multiplied by
+Lambda(s) P only. Three solutions for Lambda(s):
+
+- unitary (Type 1, eq. 22): diag(exp(i s alpha)). Re(q^H k) = [Re q, Im q] . [Re k, Im k], so the complex
+  feature is stored as the real vector [y cos(s alpha), y sin(s alpha)] of twice the width.
+- orthogonal (Type 2, eq. 23): block-diagonal 2x2 rotations with learnable (or fixed) angles, initialised
+  like RoPE (q = 0 identity block).
+- permutation (Type 3, eq. 24): P_pi^s with a fixed random permutation pi per head.
+
+P is per head: identity, Householder (I - 2 v v^T / v^T v, v fixed or learnable) or the odd/even
+permutation of eq. 74. Angles are initialised to 10000^(-2i/m) as in Appendix D.
+"""
+
+import torch
+from torch import nn
+
+from .positional_encoding import PositionalEncoding, axis_of_each, unit_angles
+from .positional_permute import PermutePositionalEncoding
+from .positional_rope import RotaryPositionalEncoding, rotary_frequencies
+
+
+class HouseholderReflection(nn.Module):
+    """x -> x - 2 (v . x) v / |v|^2 with one v per head."""
+
+    def __init__(self, num_heads: int, dim: int, learnable: bool):
+        super().__init__()
+        vector = torch.randn(num_heads, dim)
+        vector = vector / vector.norm(dim=-1, keepdim=True)
+        self.vector = nn.Parameter(vector, requires_grad=learnable)
+
+    def forward(self, x):  # (B, H, N, m)
+        v = self.vector / self.vector.norm(dim=-1, keepdim=True).clamp_min(1e-6)
+        v = v.to(x.dtype)[None, :, None, :]
+        return x - 2.0 * (x * v).sum(-1, keepdim=True) * v
+
+
+class OddEvenPermutation(nn.Module):
+    """Eq. 74: y[2k] = x[k], y[2k+1] = x[ceil(m/2) + k], the same for every head."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        index = torch.arange(dim)
+        source = torch.empty(dim, dtype=torch.long)
+        source[0::2] = index[0::2] // 2
+        source[1::2] = (index[1::2] - 1) // 2 + (dim - dim // 2)
+        self.register_buffer("source", source, persistent=False)
+
+    def forward(self, x):
+        return x[..., self.source]
+
+
+def build_p_matrix(kind: str, num_heads: int, dim: int, learnable: bool) -> nn.Module:
+    if kind == "householder":
+        return HouseholderReflection(num_heads, dim, learnable)
+    if kind == "odd_even":
+        return OddEvenPermutation(dim)
+    if kind == "identity":
+        return nn.Identity()
+    raise ValueError(f"Unknown lrpe_p_matrix {kind!r}; valid: householder, identity, odd_even")
+
+
+class LRPEUnitary(PositionalEncoding):
+    def __init__(self, num_heads, feature_dim, position_dims=1, p_matrix="householder", learnable_p=False,
+                 learnable_angles=True, base=10000.0):
+        super().__init__()
+        self.p = build_p_matrix(p_matrix, num_heads, feature_dim, learnable_p)
+        axis = axis_of_each(feature_dim, position_dims)
+        # One angle per feature dimension: alpha_i = base^(-2i/m) over each axis's share of the dimensions.
+        angles = rotary_frequencies(feature_dim, base ** 2, position_dims).repeat(num_heads, 1)
+        self.angles = nn.Parameter(angles, requires_grad=learnable_angles)
+        self.register_buffer("axis", axis, persistent=False)
+
+    def feature_dim(self, feature_dim):
+        return 2 * feature_dim
+
+    def encode_features(self, x, positions):
+        y = self.p(x)
+        phase = unit_angles(positions, self.angles, self.axis)
+        return torch.cat([y * phase.cos().to(y.dtype), y * phase.sin().to(y.dtype)], dim=-1)
+
+
+class LRPEOrthogonal(PositionalEncoding):
+    def __init__(self, num_heads, feature_dim, position_dims=1, p_matrix="householder", learnable_p=False,
+                 learnable_angles=True, base=10000.0):
+        super().__init__()
+        self.p = build_p_matrix(p_matrix, num_heads, feature_dim, learnable_p)
+        self.rotation = RotaryPositionalEncoding(num_heads, feature_dim, base, position_dims, learnable_angles)
+
+    def encode_features(self, x, positions):
+        return self.rotation.encode_features(self.p(x), positions)
+
+
+class LRPEPermutation(PositionalEncoding):
+    def __init__(self, num_heads, feature_dim, position_dims=1, p_matrix="householder", learnable_p=False):
+        super().__init__()
+        self.p = build_p_matrix(p_matrix, num_heads, feature_dim, learnable_p)
+        self.permutation = PermutePositionalEncoding(num_heads, feature_dim, position_dims, causal=False)
+
+    def encode_features(self, x, positions):
+        return self.permutation.encode_features(self.p(x), positions)

@@ -1,0 +1,91 @@
+"""PermuteFormer (Chen, 2021): position-dependent permutations of the query/key features.
+
+sim(q_s, k_t) = (r^s P_pi^s phi(q_s)) . (r^-t P_pi^t phi(k_t)) (eq. 11) with a random permutation pi per head
+and a per-head decay r (r = 1 bidirectional, r < 1 causal). Powers of pi for any position come from its
+cycle decomposition, so there is no maximum length. The decay is applied by the attention kernel as
+r^(s-t) relative to chunk starts (``log_decay``), never as r^s over the whole sequence. In 2D two
+permutations act on the two halves of the features, one driven by the row and one by the column (eq. 14).
+"""
+
+import torch
+
+from .positional_encoding import PositionalEncoding
+
+
+class CyclicPermutations(torch.nn.Module):
+    """One random permutation pi_h of ``size`` elements per head, applied to the power ``s`` of any position.
+
+    (P_pi^s x)_i = x[pi^s(i)]; pi^s(i) = cycle(i)[(index of i in its cycle + s) mod cycle length].
+    """
+
+    def __init__(self, num_heads: int, size: int):
+        super().__init__()
+        members, start, length, index = (torch.empty(num_heads, size, dtype=torch.long) for _ in range(4))
+        for h in range(num_heads):
+            permutation = torch.randperm(size).tolist()
+            seen, offset = [False] * size, 0
+            for first in range(size):
+                if seen[first]:
+                    continue
+                cycle, i = [], first
+                while not seen[i]:
+                    seen[i] = True
+                    cycle.append(i)
+                    i = permutation[i]
+                for j, element in enumerate(cycle):
+                    members[h, offset + j] = element
+                    start[h, element], length[h, element], index[h, element] = offset, len(cycle), j
+                offset += len(cycle)
+        for name, table in (("members", members), ("start", start), ("length", length), ("index", index)):
+            self.register_buffer(name, table)
+
+    def power_indices(self, positions: torch.Tensor) -> torch.Tensor:
+        """positions (B, N) int -> indices pi_h^s(i) of shape (B, H, N, size)."""
+        steps = (self.index[None, :, None, :] + positions[:, None, :, None]) % self.length[None, :, None, :]
+        flat = (self.start[None, :, None, :] + steps).flatten(2)  # (B, H, N*size)
+        members = self.members[None].expand(flat.shape[0], -1, -1)
+        return members.gather(-1, flat).view(steps.shape)
+
+    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x (B, H, N, size), positions (B, N) -> P_pi^s x."""
+        return x.gather(-1, self.power_indices(positions))
+
+
+def default_decays(num_heads: int) -> torch.Tensor:
+    """Per-head r spread over [0.88, 0.99], the range the PermuteFormer paper used for language modelling."""
+    if num_heads == 1:
+        return torch.tensor([0.99])
+    return torch.linspace(0.88, 0.99, num_heads)
+
+
+class PermutePositionalEncoding(PositionalEncoding):
+    def __init__(self, num_heads: int, feature_dim: int, position_dims: int = 1, causal: bool = False,
+                 decay: float | None = None):
+        super().__init__()
+        self.position_dims = position_dims
+        if position_dims == 1:
+            self.permutations = torch.nn.ModuleList([CyclicPermutations(num_heads, feature_dim)])
+            self.split = [feature_dim]
+        else:
+            rows = (feature_dim + 1) // 2
+            self.split = [rows, feature_dim - rows]
+            self.permutations = torch.nn.ModuleList([CyclicPermutations(num_heads, n) for n in self.split])
+        if decay is None:
+            decays = default_decays(num_heads) if causal else torch.ones(num_heads)
+        else:
+            decays = torch.full((num_heads,), float(decay))
+        self.register_buffer("decays", decays)
+
+    @property
+    def log_decay(self):
+        if bool((self.decays == 1.0).all()):
+            return None
+        return self.decays.log()
+
+    def encode_features(self, x, positions):
+        parts = x.split(self.split, dim=-1)
+        return torch.cat([perm.apply(part, positions[..., a]) for a, (perm, part) in
+                          enumerate(zip(self.permutations, parts))], dim=-1)
+
+    def extra_repr(self):
+        return f"position_dims={self.position_dims}, decays={[round(d, 4) for d in self.decays.tolist()]}"

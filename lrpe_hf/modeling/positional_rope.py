@@ -1,0 +1,49 @@
+"""RoPE in its linear-attention form (RoFormer eq. 19): rotate phi(q) and phi(k) by position.
+
+Feature pairs (2i, 2i+1) are rotated by the angle s * theta_i with theta_i = base^(-2i/m). In 2D the first
+half of the pairs follows the row and the second half the column, each half with its own frequency ladder.
+"""
+
+import torch
+from torch import nn
+
+from .positional_encoding import PositionalEncoding, axis_of_each, unit_angles
+
+
+def rotate_pairs(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
+    """Rotate consecutive pairs of ``x`` (..., m) by ``angles`` (..., P) with P <= m // 2; the rest passes through."""
+    num_pairs = angles.shape[-1]
+    pairs, rest = x[..., : 2 * num_pairs], x[..., 2 * num_pairs :]
+    even, odd = pairs[..., 0::2], pairs[..., 1::2]
+    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    rotated = torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1).flatten(-2)
+    return torch.cat([rotated, rest], dim=-1) if rest.shape[-1] else rotated
+
+
+def rotary_frequencies(num_units: int, base: float, position_dims: int) -> torch.Tensor:
+    """theta_i = base^(-2i/m) per unit, a separate ladder for each position axis. Returns (num_units,)."""
+    axis = axis_of_each(num_units, position_dims)
+    frequencies = torch.empty(num_units, dtype=torch.float64)
+    for a in range(position_dims):
+        units = int((axis == a).sum())
+        frequencies[axis == a] = base ** (-torch.arange(units, dtype=torch.float64) / units)
+    return frequencies.float()
+
+
+class RotaryPositionalEncoding(PositionalEncoding):
+    """Block-diagonal 2x2 rotations R_s of the features. ``learnable`` turns the angles into parameters
+    (LRPE's orthogonal solution); otherwise they are RoPE's fixed ladder."""
+
+    def __init__(self, num_heads: int, feature_dim: int, base: float = 10000.0, position_dims: int = 1,
+                 learnable: bool = False):
+        super().__init__()
+        num_pairs = feature_dim // 2
+        frequencies = rotary_frequencies(num_pairs, base, position_dims).repeat(num_heads, 1)
+        if learnable:
+            self.frequencies = nn.Parameter(frequencies)
+        else:
+            self.register_buffer("frequencies", frequencies, persistent=False)
+        self.register_buffer("axis", axis_of_each(num_pairs, position_dims), persistent=False)
+
+    def encode_features(self, x, positions):
+        return rotate_pairs(x, unit_angles(positions, self.frequencies, self.axis))

@@ -1,0 +1,248 @@
+"""Stochastic Positional Encoding (Liutkus et al., ICML 2021), applied before the feature map.
+
+For each head and query/key dimension d, random positional codes Qbar_d(m), Kbar_d(n) in R^R are drawn so
+that E[Qbar_d(m) . Kbar_d(n)] / R = P_d(m - n), a learnable relative kernel. Queries and keys become
+(eq. 16-17)
+
+    q_hat_m = sum_d q_md Qbar_d(m) / (D R)^(1/4),     k_hat_n = sum_d k_nd Kbar_d(n) / (D R)^(1/4),
+
+so that E[q_hat_m . k_hat_n] = sqrt(R / D) sum_d q_md k_nd P_d(m - n): relative attention in expectation, at
+linear cost, with R-dimensional queries and keys.
+
+- sineSPE (eq. 18-21): P_d(tau) = sum_k lambda_dk^2 cos(2 pi f_dk tau + theta_dk) / K, codes
+  Omega(m) diag(lambda) Z_d / sqrt(K) with Z_d a (2K x R) Gaussian draw. (The paper divides by sqrt(2K);
+  sqrt(K) makes P_d(0) = 1 at initialisation, a constant absorbed by lambda.) In 2D the phase is
+  2 pi (f_row * row + f_col * col).
+- convSPE (eq. 22): codes = white noise over positions filtered by learnable filters Phi^Q_d, Phi^K_d of
+  ``kernel_size`` taps (2D filters over the patch grid), computed by FFT. Noise before the first position is
+  part of the draw, so the kernel is vanishing and relative everywhere.
+- gating (eq. 23-25): codes <- sqrt(1 - delta_d) codes + sqrt(delta_d) eps_d, the same eps for queries and
+  keys, so that the kernel becomes delta_d + (1 - delta_d) P_d.
+- sharing: the learnable kernels and one noise draw (``SPEDraw``) serve every layer of a model; each layer
+  has its own gates.
+
+In training mode every draw is fresh (from torch's RNG, so seeding reproduces it); in eval mode the draw
+is a deterministic function of ``seed`` and of the positions, so inference is repeatable and incremental
+decoding sees the same codes as a full forward.
+"""
+
+import itertools
+import math
+import zlib
+
+import torch
+from torch import nn
+
+from .positional_encoding import PositionalEncoding
+
+
+def _mix(seed: int, key: tuple) -> int:
+    state = seed & (2**63 - 1)
+    for value in key:
+        state = (state * 6364136223846793005 + int(value) + 1442695040888963407) % (2**63)
+    return state
+
+
+def seeded_normal(seed: int, key: tuple, shape: tuple) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(_mix(seed, key))
+    return torch.randn(shape, generator=generator)
+
+
+class SPEDraw:
+    """One draw of the SPE noise for one forward pass; every layer that uses it sees the same codes."""
+
+    GRID_BLOCK = {1: 256, 2: 16}
+
+    def __init__(self, codes: "SPECodes", device: torch.device):
+        self.codes = codes
+        self.device = device
+        self.seeded = not codes.training
+        self._tensors = {}
+
+    def tensor(self, name: str, shape: tuple) -> torch.Tensor:
+        """A named position-independent noise tensor of the given shape."""
+        if name not in self._tensors:
+            if self.seeded:
+                self._tensors[name] = seeded_normal(self.codes.seed, (zlib.crc32(name.encode()),), shape).to(self.device)
+            else:
+                self._tensors[name] = torch.randn(shape, device=self.device)
+        return self._tensors[name]
+
+    def grid(self, start: tuple, stop: tuple, channels: tuple) -> torch.Tensor:
+        """White noise on the integer grid [start, stop) (one range per axis): (*sizes, *channels)."""
+        key = ("grid", start, stop)
+        if key in self._tensors:
+            return self._tensors[key]
+        sizes = tuple(b - a for a, b in zip(start, stop))
+        if not self.seeded:
+            noise = torch.randn(sizes + channels, device=self.device)
+        else:
+            block = self.GRID_BLOCK[len(start)]
+            noise = torch.empty(sizes + channels)
+            ranges = [range(a // block, (b - 1) // block + 1) for a, b in zip(start, stop)]
+            for index in itertools.product(*ranges):
+                tile = self.codes.seeded_block(index, block, channels)
+                src, dst = [], []
+                for i, a, b in zip(index, start, stop):
+                    lo, hi = max(a, i * block), min(b, (i + 1) * block)
+                    src.append(slice(lo - i * block, hi - i * block))
+                    dst.append(slice(lo - a, hi - a))
+                noise[tuple(dst)] = tile[tuple(src)]
+            noise = noise.to(self.device)
+        self._tensors[key] = noise
+        return noise
+
+
+class SPECodes(nn.Module):
+    """The learnable kernels shared across layers; ``draw`` makes the noise for one forward pass."""
+
+    def __init__(self, num_heads: int, head_dim: int, num_realizations: int, position_dims: int, seed: int):
+        super().__init__()
+        self.num_heads, self.head_dim = num_heads, head_dim
+        self.num_realizations, self.position_dims, self.seed = num_realizations, position_dims, seed
+        self._block_cache = {}
+
+    def draw(self, device=None) -> SPEDraw:
+        return SPEDraw(self, device or next(self.parameters()).device)
+
+    def seeded_block(self, index: tuple, block: int, channels: tuple) -> torch.Tensor:
+        """Deterministic noise of the grid block ``index`` (cached; at most 64 blocks are kept)."""
+        key = (index, block, channels)
+        if key not in self._block_cache:
+            if len(self._block_cache) >= 64:
+                self._block_cache.pop(next(iter(self._block_cache)))
+            shape = (block,) * len(index) + channels
+            self._block_cache[key] = seeded_normal(self.seed, (1,) + index, shape)
+        return self._block_cache[key]
+
+    def gate_noise(self, draw: SPEDraw) -> torch.Tensor:
+        return draw.tensor("gate", (self.num_heads, self.head_dim, self.num_realizations))
+
+    def positional_codes(self, positions, draw, is_query):
+        raise NotImplementedError
+
+    def encode(self, x, positions, draw, gate, is_query):
+        """x (B, H, N, D), positions (B, N, A), gate (H, D) or None -> (B, H, N, R)."""
+        raise NotImplementedError
+
+    def _normalise(self, out):
+        return out * (self.head_dim * self.num_realizations) ** -0.25
+
+
+class SineSPECodes(SPECodes):
+    def __init__(self, num_heads, head_dim, num_realizations=32, num_sines=5, position_dims=1, seed=0):
+        super().__init__(num_heads, head_dim, num_realizations, position_dims, seed)
+        self.num_sines = num_sines
+        # Frequencies (cycles per position) spread log-uniformly over [1e-4, 0.5] for every (head, dim).
+        exponents = torch.rand(position_dims, num_heads, head_dim, num_sines)
+        self.frequencies = nn.Parameter(0.5 * (2e-4) ** exponents)
+        self.phases = nn.Parameter(torch.zeros(num_heads, head_dim, num_sines))
+        self.amplitudes = nn.Parameter(torch.ones(num_heads, head_dim, num_sines))
+
+    def kernel(self, lags: torch.Tensor) -> torch.Tensor:
+        """P_d(tau) for lags (T, A): (H, D, T). The expectation the codes are built to match."""
+        phase = 2 * math.pi * torch.einsum("ta,ahdk->hdtk", lags.double(), self.frequencies.double())
+        phase = phase + self.phases.double()[:, :, None, :]
+        return (self.amplitudes.double()[:, :, None, :] ** 2 * phase.cos()).mean(-1)
+
+    def encode(self, x, positions, draw, gate, is_query):
+        B, H, N, D = x.shape
+        K, R = self.num_sines, self.num_realizations
+        # Phase 2 pi f . p, reduced modulo one cycle in float64 so that large positions keep their precision.
+        cycles = torch.einsum("bna,ahdk->bhndk", positions.double(), self.frequencies.double())
+        phase = 2 * math.pi * torch.frac(cycles).to(x.dtype)
+        if is_query:
+            phase = phase + self.phases.to(x.dtype)[None, :, None]
+        omega = torch.stack([phase.cos(), phase.sin()], dim=-1)  # (B, H, N, D, K, 2)
+        weight = self.amplitudes.to(x.dtype)[None, :, None, :, :, None] / math.sqrt(K)
+        if gate is not None:
+            weight = weight * (1 - gate).sqrt().to(x.dtype)[None, :, None, :, None, None]
+        mixed = (x[..., None, None] * omega * weight).reshape(B, H, N, D * K * 2)
+        noise = draw.tensor("sine", (H, D, K, 2, R)).to(x.dtype).reshape(1, H, D * K * 2, R)
+        out = mixed @ noise
+        if gate is not None:
+            out = out + (x * gate.sqrt().to(x.dtype)[None, :, None]) @ self.gate_noise(draw).to(x.dtype)[None]
+        return self._normalise(out)
+
+
+class ConvSPECodes(SPECodes):
+    def __init__(self, num_heads, head_dim, num_realizations=32, kernel_size=64, position_dims=1, seed=0):
+        super().__init__(num_heads, head_dim, num_realizations, position_dims, seed)
+        self.kernel_size = kernel_size
+        shape = (num_heads, head_dim) + (kernel_size,) * position_dims
+        # Start from decaying unit-norm windows with random time constants, so P_d(0) = 1 and P_d vanishes.
+        taps = torch.stack(torch.meshgrid(*[torch.arange(kernel_size, dtype=torch.float)] * position_dims,
+                                          indexing="ij")).norm(dim=0)
+        scale = kernel_size * torch.rand(num_heads, head_dim).clamp_min(0.05)
+        window = torch.exp(-taps / scale.view(num_heads, head_dim, *([1] * position_dims)))
+        window = window / window.flatten(2).norm(dim=-1).view(num_heads, head_dim, *([1] * position_dims))
+        self.query_filters = nn.Parameter(window.clone())
+        self.key_filters = nn.Parameter(window.clone() + 0.01 * torch.randn(shape))
+
+    def kernel(self, lags: torch.Tensor) -> torch.Tensor:
+        """Cross-correlation of the filters at lags (T, A) (1D and 2D): (H, D, T)."""
+        L, A = self.kernel_size, self.position_dims
+        q = self.query_filters.double().flatten(2)
+        k = self.key_filters.double()
+        taps = torch.stack(torch.meshgrid(*[torch.arange(L)] * A, indexing="ij"), dim=-1).reshape(-1, A)
+        out = []
+        for lag in lags.tolist():
+            # E[Qbar(m) Kbar(n)] / R = sum_j PhiQ[j] PhiK[j + (n - m)] with n - m = -lag
+            shifted = taps - torch.tensor(lag)
+            valid = ((shifted >= 0) & (shifted < L)).all(-1)
+            idx = shifted[valid]
+            values = k[(slice(None), slice(None)) + tuple(idx[:, a] for a in range(A))]
+            out.append((q[:, :, valid] * values).sum(-1))
+        return torch.stack(out, dim=-1)
+
+    def encode(self, x, positions, draw, gate, is_query):
+        B, H, N, D = x.shape
+        L, A, R = self.kernel_size, self.position_dims, self.num_realizations
+        lo = positions.amin(dim=(0, 1))
+        hi = positions.amax(dim=(0, 1))
+        start = tuple(int(v) - L + 1 for v in lo)
+        stop = tuple(int(v) + 1 for v in hi)
+        dtype = torch.promote_types(x.dtype, torch.float32)  # the FFT has no half-precision CPU kernels
+        noise = draw.grid(start, stop, (D, R)).to(dtype)  # (*G, D, R)
+        sizes = noise.shape[:A]
+        dims = tuple(range(A))
+        filters = (self.query_filters if is_query else self.key_filters).to(dtype)
+        noise_f = torch.fft.rfftn(noise, s=sizes, dim=dims)  # (*F, D, R)
+        filter_f = torch.fft.rfftn(filters, s=sizes, dim=tuple(range(2, 2 + A)))  # (H, D, *F)
+        filter_f = filter_f.permute(0, *range(2, 2 + A), 1).unsqueeze(-1)  # (H, *F, D, 1)
+        codes = torch.fft.irfftn(noise_f[None] * filter_f, s=sizes, dim=tuple(range(1, 1 + A)))  # (H, *G, D, R)
+        codes = codes[(slice(None),) + tuple(slice(L - 1, None) for _ in range(A))].to(x.dtype)
+        index = positions - lo  # (B, N, A)
+        grid_positions = torch.stack(torch.meshgrid(*[torch.arange(s, device=x.device) for s in codes.shape[1:1 + A]],
+                                                    indexing="ij"), dim=-1).reshape(-1, A)
+        if index.shape[1] == grid_positions.shape[0] and bool((index == grid_positions).all()):
+            codes = codes.reshape(1, H, N, D, R)  # every row covers the whole grid in order: no gather
+        else:
+            codes = codes[(slice(None),) + tuple(index[..., a] for a in range(A))].transpose(0, 1)
+        if gate is not None:
+            codes = (1 - gate).sqrt().to(x.dtype)[None, :, None, :, None] * codes + (
+                gate.sqrt()[..., None] * self.gate_noise(draw)).to(x.dtype)[None, :, None]
+        return self._normalise(torch.einsum("bhnd,bhndr->bhnr", x, codes))
+
+
+class StochasticPositionalEncoding(PositionalEncoding):
+    """The per-layer part of SPE: the gates, and (for a standalone layer) its own codes."""
+
+    def __init__(self, num_heads: int, head_dim: int, num_realizations: int, gated: bool,
+                 codes: SPECodes | None = None):
+        super().__init__()
+        self.codes = codes
+        self.num_realizations = num_realizations
+        self.gate_logits = nn.Parameter(torch.zeros(num_heads, head_dim)) if gated else None
+
+    def query_key_dim(self, head_dim):
+        return self.num_realizations
+
+    def encode_query_key(self, q, k, positions, spe_draw=None):
+        if spe_draw is None:
+            if self.codes is None:
+                raise ValueError("This attention layer shares its SPE codes with the model: pass spe_draw=codes.draw()")
+            spe_draw = self.codes.draw(q.device)
+        codes = spe_draw.codes
+        gate = torch.sigmoid(self.gate_logits) if self.gate_logits is not None else None
+        return codes.encode(q, positions, spe_draw, gate, True), codes.encode(k, positions, spe_draw, gate, False)

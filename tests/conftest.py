@@ -1,0 +1,36 @@
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from lrpe_hf import LinearAttention  # noqa: E402
+
+SMALL = dict(spe_realizations=4, spe_sines=2, spe_kernel_size=3, max_positions=64, eps=1e-12)
+
+
+def make_layer(positional_encoding="none", hidden_size=16, num_heads=2, seed=0, **options):
+    """A small float64 layer in eval mode whose optional parameters are randomised (so a test sees them)."""
+    torch.manual_seed(seed)
+    kwargs = {**SMALL, **options}
+    layer = LinearAttention(hidden_size, num_heads, positional_encoding=positional_encoding, **kwargs)
+    with torch.no_grad():
+        for name, param in layer.named_parameters():
+            if name.endswith("weights") and "positional_encoding" in name:  # FastRPB starts at zero
+                param.normal_(0.0, 0.3)
+            elif "gate_logits" in name:
+                param.normal_(0.0, 1.0)
+            elif name.endswith("frequencies") or name.endswith("angles"):
+                param.mul_(1.0 + 0.2 * torch.rand_like(param))
+            elif "output_norm" in name:
+                param.normal_(1.0, 0.2)
+    if layer.output_norm is not None:
+        layer.output_norm.eps = 1e-12  # exponential maps are rescaled before the norm: keep eps out of the comparison
+    return layer.double().eval()
+
+
+@pytest.fixture
+def rng():
+    return torch.Generator().manual_seed(1234)
