@@ -208,7 +208,7 @@ class LinearAttention(nn.Module):
         else:
             lq, lk = fm.log_features(q), fm.log_features(k)
             fq = (lq - lq.amax(-1, keepdim=True).detach()).exp()
-            token_max = lk.amax(-1).detach().float()  # (B, H, N)
+            token_max = lk.amax(-1).detach().to(torch.promote_types(lk.dtype, torch.float32))  # (B, H, N)
             if mask is not None:
                 token_max = token_max.masked_fill(~mask[:, None], float("-inf"))
             if self.options.causal:
@@ -231,7 +231,7 @@ class LinearAttention(nn.Module):
             fk = fk.masked_fill(~mask[:, None, :, None], 0.0)
         return fq, fk, gates
 
-    def position_gates(self, positions, state):
+    def position_gates(self, positions, state, dtype):
         """PermuteFormer's decay as per-token log gates log(r) * (p_t - p_{t-1}): (B, H, N) or None."""
         log_decay = self.positional_encoding.log_decay
         if log_decay is None:
@@ -241,13 +241,14 @@ class LinearAttention(nn.Module):
             previous = torch.cat([state.last_position[:, None], p[:, :-1]], dim=-1)
         else:
             previous = torch.cat([p[:, :1], p[:, :-1]], dim=-1)
-        steps = (p - previous).clamp_min(0).float()
-        return log_decay.float()[None, :, None] * steps[:, None, :]
+        dtype = torch.promote_types(dtype, torch.float32)
+        steps = (p - previous).clamp_min(0).to(dtype)
+        return log_decay.to(dtype)[None, :, None] * steps[:, None, :]
 
     def linear_attention(self, q, k, v, mask, positions, state):
         o = self.options
         fq, fk, gates = self.features(q, k, mask, state)
-        position_gates = self.position_gates(positions, state)
+        position_gates = self.position_gates(positions, state, q.dtype)
         if position_gates is not None:
             gates = position_gates if gates is None else gates + position_gates
         tq = self.positional_encoding.encode_features(fq, positions)

@@ -1,0 +1,179 @@
+"""Building blocks against second implementations and the statistics they promise."""
+
+import math
+
+import pytest
+import torch
+
+from lrpe_hf import LearnedPositionEmbedding, SinusoidalPositionEmbedding
+from lrpe_hf.modeling.feature_maps import PerformerFeatureMap
+from lrpe_hf.modeling.positional_fastrpb import FastRelativePositionBias
+from lrpe_hf.modeling.positional_permute import CyclicPermutations
+from lrpe_hf.modeling.positional_spe import ConvSPECodes, SineSPECodes
+
+
+# ---------------------------------------------------------------- FastRPB
+@pytest.mark.parametrize("causal", [False, True])
+def test_fft_toeplitz_equals_dense_toeplitz_1d(causal):
+    torch.manual_seed(0)
+    bias = FastRelativePositionBias(num_heads=3, max_positions=300, init_std=1.0).double()
+    values = torch.randn(2, 3, 257, 5, dtype=torch.float64)
+    positions = torch.arange(257)[None, :, None].expand(2, -1, -1)
+    w = bias.weights[0].detach()
+    lags = torch.arange(257)[:, None] - torch.arange(257)[None, :]
+    dense = w[:, 299 + lags]  # (H, N, N): W[s, t] = w[s - t]
+    if causal:
+        dense = dense * (lags >= 0)
+    expected = dense[None] @ values
+    fft = bias.fft(values, positions, positions, causal)
+    torch.testing.assert_close(fft, expected, atol=1e-9, rtol=1e-9)
+    torch.testing.assert_close(bias.dense(values, positions, positions, causal), expected, atol=1e-9, rtol=1e-9)
+
+
+def test_fft_toeplitz_equals_dense_2d_separable_bias():
+    torch.manual_seed(0)
+    bias = FastRelativePositionBias(num_heads=2, max_positions=9, position_dims=2, init_std=1.0).double()
+    rows, cols = torch.meshgrid(torch.arange(7), torch.arange(9), indexing="ij")
+    positions = torch.stack([rows.flatten(), cols.flatten()], -1)[None]  # (1, 63, 2)
+    values = torch.randn(1, 2, 63, 4, dtype=torch.float64)
+    p = positions[0]
+    w_row, w_col = bias.weights[0].detach(), bias.weights[1].detach()
+    drow = p[:, None, 0] - p[None, :, 0]
+    dcol = p[:, None, 1] - p[None, :, 1]
+    dense = w_row[:, 8 + drow] + w_col[:, 8 + dcol]  # (H, 63, 63)
+    torch.testing.assert_close(bias.fft(values, positions, positions, False), dense[None] @ values)
+
+
+def test_fastrpb_memory_is_linear_in_length():
+    """The FFT path never builds an N x N matrix: 100k tokens run in a few hundred MB."""
+    bias = FastRelativePositionBias(num_heads=2, max_positions=100_000, init_std=0.1)
+    values = torch.randn(1, 2, 100_000, 8)
+    positions = torch.arange(100_000)[None, :, None]
+    with torch.no_grad():
+        out = bias.value_bias(values, positions, positions, causal=True)
+    assert out.shape == values.shape and torch.isfinite(out).all()
+
+
+# ---------------------------------------------------------------- SPE
+def spe_monte_carlo_error(codes, realizations, draws=200):
+    """Relative error of the mean q_hat . k_hat against sqrt(R/D) sum_d q_d k_d P_d(m - n)."""
+    torch.manual_seed(0)
+    D = codes.head_dim
+    q = torch.randn(1, 1, 6, D, dtype=torch.float64)
+    k = torch.randn(1, 1, 6, D, dtype=torch.float64)
+    positions = torch.tensor([0, 3, 7, 12, 20, 33])[None, :, None]
+    codes.double().train()
+    total = 0
+    with torch.no_grad():
+        for _ in range(draws):
+            draw = codes.draw()
+            total = total + codes.encode(q, positions, draw, None, True)[0, 0] @ codes.encode(k, positions, draw, None, False)[0, 0].T
+    estimate = total / draws
+    lags = (positions[0, :, None, :] - positions[0, None, :, :]).reshape(-1, 1)  # m - n for every pair
+    with torch.no_grad():
+        kernel = codes.kernel(lags)[0].reshape(D, 6, 6)
+    expected = math.sqrt(realizations / D) * torch.einsum("md,nd,dmn->mn", q[0, 0], k[0, 0], kernel)
+    return float((estimate - expected).norm() / expected.norm())
+
+
+@pytest.mark.parametrize("variant", ["sine", "conv"])
+def test_spe_monte_carlo_kernel_converges_as_realizations_grow(variant):
+    errors = []
+    for R in (4, 64, 1024):
+        torch.manual_seed(1)
+        if variant == "sine":
+            codes = SineSPECodes(num_heads=1, head_dim=4, num_realizations=R, num_sines=3)
+        else:
+            codes = ConvSPECodes(num_heads=1, head_dim=4, num_realizations=R, kernel_size=8)
+        errors.append(spe_monte_carlo_error(codes, R))
+    assert errors[0] > errors[1] > errors[2]
+    assert errors[2] < 0.05
+
+
+def test_spe_draws_are_random_in_training_and_repeatable_in_eval():
+    codes = SineSPECodes(num_heads=2, head_dim=4, num_realizations=8, num_sines=2, seed=7)
+    q = torch.randn(1, 2, 5, 4)
+    positions = torch.arange(5)[None, :, None]
+
+    def encode():
+        return codes.encode(q, positions, codes.draw(), None, True)
+
+    codes.train()
+    assert not torch.allclose(encode(), encode())
+    codes.eval()
+    torch.testing.assert_close(encode(), encode())
+    again = SineSPECodes(num_heads=2, head_dim=4, num_realizations=8, num_sines=2, seed=7)
+    again.load_state_dict(codes.state_dict())
+    torch.testing.assert_close(again.eval().encode(q, positions, again.draw(), None, True), encode())
+
+
+def test_conv_spe_codes_depend_on_position_not_on_the_batch_window():
+    """Eval-mode noise is a function of absolute position: a token gets the same codes in any window."""
+    codes = ConvSPECodes(num_heads=1, head_dim=4, num_realizations=8, kernel_size=5).eval()
+    q = torch.randn(1, 1, 1, 4)
+    alone = codes.encode(q, torch.tensor([[[300]]]), codes.draw(), None, True)
+    window = codes.encode(q.expand(1, 1, 400, 4).contiguous(), torch.arange(400)[None, :, None], codes.draw(), None, True)
+    torch.testing.assert_close(window[:, :, 300:301], alone)
+
+
+# ---------------------------------------------------------------- Performer
+def test_performer_features_approximate_the_softmax_kernel():
+    torch.manual_seed(0)
+    D = 16
+    fm = PerformerFeatureMap(D, num_features=8192).double()
+    q = 0.5 * torch.randn(20, D, dtype=torch.float64)
+    k = 0.5 * torch.randn(20, D, dtype=torch.float64)
+    approx = fm(q) @ fm(k).T
+    exact = torch.exp(q @ k.T / math.sqrt(D))
+    assert float(((approx - exact).abs() / exact).mean()) < 0.05
+
+
+def test_performer_projection_is_fixed_in_eval_and_redrawn_in_training_when_asked():
+    fm = PerformerFeatureMap(8, redraw=True)
+    x = torch.randn(3, 8)
+    fm.eval()
+    torch.testing.assert_close(fm(x), fm(x))
+    fm.train()
+    assert not torch.allclose(fm(x), fm(x))
+    assert "projection" in fm.state_dict()
+
+
+# ---------------------------------------------------------------- permutations
+def compose_power(perm, s):
+    """pi^s by repeated squaring of index arrays (pi^s(i) = pi(pi(...)))."""
+    result = list(range(len(perm)))
+    base = list(perm)
+    while s:
+        if s & 1:
+            result = [base[i] for i in result]  # apply base after result: pi^a then pi^b commute
+        base = [base[i] for i in base]
+        s >>= 1
+    return result
+
+
+def test_permutation_powers_for_any_position():
+    torch.manual_seed(0)
+    cyclic = CyclicPermutations(num_heads=3, size=64)
+    positions = torch.tensor([[0, 1, 2, 999, 100_003, 2**40 + 5]])
+    indices = cyclic.power_indices(positions)
+    for h in range(3):
+        m, st, ln, ix = cyclic.members[h], cyclic.start[h], cyclic.length[h], cyclic.index[h]
+        perm = [int(m[st[i] + (ix[i] + 1) % ln[i]]) for i in range(64)]
+        assert sorted(perm) == list(range(64))
+        for j, s in enumerate(positions[0].tolist()):
+            assert indices[0, h, j].tolist() == compose_power(perm, s)
+
+
+# ---------------------------------------------------------------- absolute embeddings
+def test_sinusoidal_embedding_formula():
+    emb = SinusoidalPositionEmbedding(8)
+    out = emb(torch.tensor([[0, 3]]))
+    expected = [math.sin(3 * 10000 ** (-i / 4)) for i in range(4)] + [math.cos(3 * 10000 ** (-i / 4)) for i in range(4)]
+    torch.testing.assert_close(out[0, 1], torch.tensor(expected))
+
+
+def test_learned_embedding_refuses_positions_beyond_its_table():
+    emb = LearnedPositionEmbedding(8, max_positions=16)
+    assert emb(torch.arange(16)[None]).shape == (1, 16, 8)
+    with pytest.raises(ValueError, match="0..15"):
+        emb(torch.arange(17)[None])

@@ -1,0 +1,72 @@
+"""Bad names, invalid combinations and bad inputs give errors that say what is wrong and what is valid."""
+
+import pytest
+import torch
+
+import lrpe_hf
+from lrpe_hf import LinearAttention, LinearAttentionState
+
+
+def test_public_name_lists():
+    assert lrpe_hf.POSITIONAL_ENCODINGS == ("none", "rope", "lrpe_unitary", "lrpe_orthogonal", "lrpe_permutation",
+                                            "permute", "spe_sine", "spe_conv", "fastrpb")
+    assert lrpe_hf.FEATURE_MAPS == ("elu", "relu", "exp", "dpfp", "performer")
+
+
+@pytest.mark.parametrize("options,message", [
+    (dict(positional_encoding="alibi"), "valid values: none, rope, lrpe_unitary"),
+    (dict(feature_map="tanh"), "valid values: elu, relu, exp, dpfp, performer"),
+    (dict(attention="flash"), "valid values: linear, softmax"),
+    (dict(normalization="l2"), "valid values: denominator, unrotated_denominator, output_norm"),
+    (dict(lrpe_p_matrix="fourier", positional_encoding="lrpe_unitary"), "valid values: householder, identity"),
+    (dict(positional_encoding="rope", normalization="denominator"), "can be negative"),
+    (dict(positional_encoding="permute", normalization="unrotated_denominator"), "meant for rope"),
+    (dict(attention="softmax", feature_map="elu"), "linear attention only"),
+    (dict(attention="softmax", normalization="output_norm"), "linear attention only"),
+    (dict(position_dims=3), "position_dims must be 1"),
+    (dict(position_dims=2, causal=True), "no causal order"),
+    (dict(positional_encoding="fastrpb"), "needs max_positions"),
+    (dict(positional_encoding="permute", permute_decay=1.5, causal=True), r"permute_decay must be in \(0, 1\]"),
+    (dict(positional_encoding="permute", permute_decay=0.9), "for causal models"),
+    (dict(chunk_size=0), "chunk_size must be a positive integer"),
+    (dict(feature_map="dpfp", dpfp_nu=100), "dpfp_nu must be in"),
+])
+def test_invalid_options(options, message):
+    with pytest.raises(ValueError, match=message):
+        LinearAttention(16, 2, **options)
+
+
+def test_hidden_size_must_split_into_heads():
+    with pytest.raises(ValueError, match="multiple of num_heads"):
+        LinearAttention(10, 3)
+
+
+def test_fastrpb_refuses_spans_beyond_max_positions():
+    layer = LinearAttention(16, 2, positional_encoding="fastrpb", max_positions=8)
+    layer(torch.randn(1, 8, 16))
+    with pytest.raises(ValueError, match="max_positions=8"):
+        layer(torch.randn(1, 9, 16))
+
+
+def test_bad_inputs():
+    layer = LinearAttention(16, 2, positional_encoding="rope")
+    x = torch.randn(2, 5, 16)
+    with pytest.raises(ValueError, match="attention_mask must have shape"):
+        layer(x, attention_mask=torch.ones(2, 6))
+    with pytest.raises(ValueError, match="position_ids must have shape"):
+        layer(x, position_ids=torch.arange(4)[None])
+    with pytest.raises(ValueError, match="integers"):
+        layer(x, position_ids=torch.arange(5.0)[None])
+    with pytest.raises(ValueError, match="only meaningful for causal"):
+        layer(x, state=LinearAttentionState())
+    image_layer = LinearAttention(16, 2, positional_encoding="rope", position_dims=2)
+    with pytest.raises(ValueError, match=r"\(row, col\)"):
+        image_layer(x)
+
+
+def test_shared_spe_codes_need_a_draw():
+    layer = LinearAttention(16, 2, positional_encoding="spe_sine", own_spe_codes=False)
+    with pytest.raises(ValueError, match="spe_draw"):
+        layer(torch.randn(1, 4, 16))
+    codes = lrpe_hf.build_spe_codes(layer.options, 2, 8)
+    assert layer(torch.randn(1, 4, 16), spe_draw=codes.draw()).shape == (1, 4, 16)
