@@ -141,7 +141,7 @@ def spe_codes(layer, draw, positions, head, is_query):
     out = torch.zeros(N, D, R, dtype=torch.float64)
     if type(codes).__name__ == "SineSPECodes":
         K = codes.num_sines
-        noise = draw.tensor("sine", (codes.num_heads, D, K, 2, R))[head].double()
+        noise = draw.tensor("sine", (codes.num_heads, D, 2, K, R))[head].double()
         for n, p in enumerate(positions):
             for d in range(D):
                 for k in range(K):
@@ -150,7 +150,7 @@ def spe_codes(layer, draw, positions, head, is_query):
                     if is_query:
                         phase += float(codes.phases[head, d, k].detach())
                     lam = float(codes.amplitudes[head, d, k].detach())
-                    out[n, d] += lam * (math.cos(phase) * noise[d, k, 0] + math.sin(phase) * noise[d, k, 1]) / math.sqrt(K)
+                    out[n, d] += lam * (math.cos(phase) * noise[d, 0, k] + math.sin(phase) * noise[d, 1, k]) / math.sqrt(K)
     else:
         L, A = codes.kernel_size, codes.position_dims
         filt = (codes.query_filters if is_query else codes.key_filters)[head].double()

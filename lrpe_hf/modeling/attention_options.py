@@ -62,7 +62,7 @@ class AttentionOptions:
     lrpe_learnable_angles: bool = True
     permute_decay: float | None = None  # causal default: per-head r spread over [0.88, 0.99]
     spe_realizations: int = 32
-    spe_sines: int = 5
+    spe_sines: int = 1
     spe_kernel_size: int = 64
     spe_gated: bool = True
     spe_seed: int = 0

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from .positional_encoding import PositionalEncoding
+from .positional_spe import fast_fft_size
 
 
 def toeplitz_apply(lag_weights: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -20,7 +21,7 @@ def toeplitz_apply(lag_weights: torch.Tensor, values: torch.Tensor) -> torch.Ten
     lag_weights (H, 2S - 1) for lags -(S-1)..(S-1); values (B, H, S, d) -> (B, H, S, d).
     """
     S = values.shape[-2]
-    n = 2 * S - 1  # enough to keep the needed outputs free of circular wrap-around
+    n = fast_fft_size(2 * S - 1)  # at least 2S - 1: the kept outputs are free of circular wrap-around
     dtype = torch.promote_types(values.dtype, torch.float32)  # the FFT has no half-precision CPU kernels
     kernel = torch.fft.rfft(lag_weights.to(dtype), n=n, dim=-1)[None, :, :, None]
     signal = torch.fft.rfft(values.to(dtype), n=n, dim=-2)
@@ -66,11 +67,18 @@ class FastRelativePositionBias(PositionalEncoding):
             lo = torch.minimum(keys.amin(1), queries.amin(1))  # (B,)
             span = int(torch.maximum(keys.amax(1), queries.amax(1)).sub(lo).max()) + 1
             self.check_span(span)
-            bins = values.new_zeros(B, H, span, d)
-            bins.scatter_add_(2, (keys - lo[:, None])[:, None, :, None].expand(B, H, T, d), values)
+            key_bins, query_bins = keys - lo[:, None], queries - lo[:, None]
+            contiguous = span == T and bool((key_bins == torch.arange(T, device=keys.device)).all())
+            if contiguous:  # one token per position, in order: the values are their own bins
+                bins = values
+            else:
+                bins = values.new_zeros(B, H, span, d)
+                bins.scatter_add_(2, key_bins[:, None, :, None].expand(B, H, T, d), values)
             mixed = toeplitz_apply(self.lag_weights(axis, span, causal), bins)
-            index = (queries - lo[:, None])[:, None, :, None].expand(B, H, queries.shape[1], d)
-            out = out + mixed.gather(2, index)
+            if contiguous and torch.equal(query_bins, key_bins):
+                out = out + mixed
+            else:
+                out = out + mixed.gather(2, query_bins[:, None, :, None].expand(B, H, queries.shape[1], d))
         return out
 
     def dense(self, values, key_positions, query_positions, causal):

@@ -68,6 +68,16 @@ class SPEDraw:
                 self._tensors[name] = torch.randn(shape, device=self.device)
         return self._tensors[name]
 
+    def cached(self, name: str, positions: torch.Tensor, build):
+        """``build()`` evaluated once per distinct positions tensor; identical batch rows are built once."""
+        rows = positions[:1] if bool((positions == positions[:1]).all()) else positions
+        for cached_rows, value in self._tensors.get(name, []):
+            if cached_rows.shape == rows.shape and torch.equal(cached_rows, rows):
+                return value
+        value = build(rows)
+        self._tensors.setdefault(name, []).append((rows, value))
+        return value
+
     def grid(self, start: tuple, stop: tuple, channels: tuple) -> torch.Tensor:
         """White noise on the integer grid [start, stop) (one range per axis): (*sizes, *channels)."""
         key = ("grid", start, stop)
@@ -145,21 +155,34 @@ class SineSPECodes(SPECodes):
         phase = phase + self.phases.double()[:, :, None, :]
         return (self.amplitudes.double()[:, :, None, :] ** 2 * phase.cos()).mean(-1)
 
+    def position_table(self, positions, draw):
+        """[cos, sin](2 pi f . p) for every (head, dim, sine): (B', H, N, D, 2K), shared by queries, keys and
+        every layer using the draw. The cycles are reduced modulo 1 in float64 so large positions stay exact."""
+        def build(rows):
+            cycles = torch.einsum("bna,ahdk->bhndk", rows.double(), self.frequencies.double())
+            phase = (2 * math.pi) * torch.frac(cycles).to(torch.promote_types(self.frequencies.dtype, torch.float32))
+            return torch.cat([phase.cos(), phase.sin()], dim=-1)
+        return draw.cached("sine_table", positions, build)
+
+    def mixing_matrix(self, draw, gate, is_query, dtype):
+        """The noise Z folded with amplitudes / sqrt(K), the gate sqrt(1 - delta) and, for queries, the phase
+        rotation cos(a + theta) = cos a cos theta - sin a sin theta: (H, D * 2K, R)."""
+        H, D, K, R = self.num_heads, self.head_dim, self.num_sines, self.num_realizations
+        noise = draw.tensor("sine", (H, D, 2, K, R))
+        cos_part, sin_part = noise[:, :, 0], noise[:, :, 1]
+        if is_query:
+            c, s = self.phases.cos()[..., None], self.phases.sin()[..., None]
+            cos_part, sin_part = c * cos_part + s * sin_part, c * sin_part - s * cos_part
+        scale = self.amplitudes[..., None] / math.sqrt(K)
+        if gate is not None:
+            scale = scale * (1 - gate).sqrt()[..., None, None]
+        return torch.stack([scale * cos_part, scale * sin_part], dim=2).reshape(H, D * 2 * K, R).to(dtype)
+
     def encode(self, x, positions, draw, gate, is_query):
         B, H, N, D = x.shape
-        K, R = self.num_sines, self.num_realizations
-        # Phase 2 pi f . p, reduced modulo one cycle in float64 so that large positions keep their precision.
-        cycles = torch.einsum("bna,ahdk->bhndk", positions.double(), self.frequencies.double())
-        phase = 2 * math.pi * torch.frac(cycles).to(x.dtype)
-        if is_query:
-            phase = phase + self.phases.to(x.dtype)[None, :, None]
-        omega = torch.stack([phase.cos(), phase.sin()], dim=-1)  # (B, H, N, D, K, 2)
-        weight = self.amplitudes.to(x.dtype)[None, :, None, :, :, None] / math.sqrt(K)
-        if gate is not None:
-            weight = weight * (1 - gate).sqrt().to(x.dtype)[None, :, None, :, None, None]
-        mixed = (x[..., None, None] * omega * weight).reshape(B, H, N, D * K * 2)
-        noise = draw.tensor("sine", (H, D, K, 2, R)).to(x.dtype).reshape(1, H, D * K * 2, R)
-        out = mixed @ noise
+        table = self.position_table(positions, draw).to(x.dtype)  # (B', H, N, D, 2K)
+        mixed = (x[..., None] * table.view(table.shape[0], H, N, D, -1)).reshape(B, H, N, -1)
+        out = mixed @ self.mixing_matrix(draw, gate, is_query, x.dtype)[None]
         if gate is not None:
             out = out + (x * gate.sqrt().to(x.dtype)[None, :, None]) @ self.gate_noise(draw).to(x.dtype)[None]
         return self._normalise(out)
@@ -195,34 +218,55 @@ class ConvSPECodes(SPECodes):
             out.append((q[:, :, valid] * values).sum(-1))
         return torch.stack(out, dim=-1)
 
+    def codes(self, positions, draw, is_query):
+        """Filtered noise Qbar_d(p) (or Kbar) at every position: (B', H, N, D, R), cached in the draw."""
+        def build(rows):
+            L, A = self.kernel_size, self.position_dims
+            lo, hi = rows.amin(dim=(0, 1)), rows.amax(dim=(0, 1))
+            start = tuple(int(v) - L + 1 for v in lo)
+            stop = tuple(int(v) + 1 for v in hi)
+            dtype = torch.promote_types(self.query_filters.dtype, torch.float32)
+            noise = draw.grid(start, stop, (self.head_dim, self.num_realizations)).to(dtype)  # (*G, D, R)
+            sizes = noise.shape[:A]
+            fft_sizes = tuple(fast_fft_size(n) for n in sizes)  # no wrap-around reaches the kept outputs
+            filters = (self.query_filters if is_query else self.key_filters).to(dtype)
+            noise_f = torch.fft.rfftn(noise, s=fft_sizes, dim=tuple(range(A)))  # (*F, D, R)
+            filter_f = torch.fft.rfftn(filters, s=fft_sizes, dim=tuple(range(2, 2 + A)))  # (H, D, *F)
+            filter_f = filter_f.permute(0, *range(2, 2 + A), 1).unsqueeze(-1)  # (H, *F, D, 1)
+            full = torch.fft.irfftn(noise_f[None] * filter_f, s=fft_sizes, dim=tuple(range(1, 1 + A)))
+            grid = full[(slice(None),) + tuple(slice(L - 1, n) for n in sizes)]  # (H, *P, D, R): positions lo..hi
+            index = rows - lo
+            if A == 1 and index.shape[1] == grid.shape[1] and bool((index[..., 0] == torch.arange(index.shape[1])).all()):
+                return grid[None]  # one row covering lo..hi in order: no gather
+            return grid[(slice(None),) + tuple(index[..., a] for a in range(A))].transpose(0, 1)
+
+        return draw.cached("conv_query" if is_query else "conv_key", positions, build)
+
     def encode(self, x, positions, draw, gate, is_query):
-        B, H, N, D = x.shape
-        L, A, R = self.kernel_size, self.position_dims, self.num_realizations
-        lo = positions.amin(dim=(0, 1))
-        hi = positions.amax(dim=(0, 1))
-        start = tuple(int(v) - L + 1 for v in lo)
-        stop = tuple(int(v) + 1 for v in hi)
-        dtype = torch.promote_types(x.dtype, torch.float32)  # the FFT has no half-precision CPU kernels
-        noise = draw.grid(start, stop, (D, R)).to(dtype)  # (*G, D, R)
-        sizes = noise.shape[:A]
-        dims = tuple(range(A))
-        filters = (self.query_filters if is_query else self.key_filters).to(dtype)
-        noise_f = torch.fft.rfftn(noise, s=sizes, dim=dims)  # (*F, D, R)
-        filter_f = torch.fft.rfftn(filters, s=sizes, dim=tuple(range(2, 2 + A)))  # (H, D, *F)
-        filter_f = filter_f.permute(0, *range(2, 2 + A), 1).unsqueeze(-1)  # (H, *F, D, 1)
-        codes = torch.fft.irfftn(noise_f[None] * filter_f, s=sizes, dim=tuple(range(1, 1 + A)))  # (H, *G, D, R)
-        codes = codes[(slice(None),) + tuple(slice(L - 1, None) for _ in range(A))].to(x.dtype)
-        index = positions - lo  # (B, N, A)
-        grid_positions = torch.stack(torch.meshgrid(*[torch.arange(s, device=x.device) for s in codes.shape[1:1 + A]],
-                                                    indexing="ij"), dim=-1).reshape(-1, A)
-        if index.shape[1] == grid_positions.shape[0] and bool((index == grid_positions).all()):
-            codes = codes.reshape(1, H, N, D, R)  # every row covers the whole grid in order: no gather
-        else:
-            codes = codes[(slice(None),) + tuple(index[..., a] for a in range(A))].transpose(0, 1)
-        if gate is not None:
-            codes = (1 - gate).sqrt().to(x.dtype)[None, :, None, :, None] * codes + (
-                gate.sqrt()[..., None] * self.gate_noise(draw)).to(x.dtype)[None, :, None]
-        return self._normalise(torch.einsum("bhnd,bhndr->bhnr", x, codes))
+        codes = self.codes(positions, draw, is_query).to(x.dtype)
+        if gate is None:
+            return self._normalise(torch.einsum("bhnd,bhndr->bhnr", x, codes))
+        # sum_d x_d (sqrt(1 - delta_d) Qbar_d + sqrt(delta_d) eps_d), without building the gated codes
+        gated = x * (1 - gate).sqrt().to(x.dtype)[None, :, None]
+        out = torch.einsum("bhnd,bhndr->bhnr", gated, codes)
+        out = out + (x * gate.sqrt().to(x.dtype)[None, :, None]) @ self.gate_noise(draw).to(x.dtype)[None]
+        return self._normalise(out)
+
+
+def fast_fft_size(n: int) -> int:
+    """The smallest 2^a 3^b 5^c >= n (FFT lengths with large prime factors are slow)."""
+    best = 1 << (n - 1).bit_length()
+    power5 = 1
+    while power5 < best:
+        power35 = power5
+        while power35 < best:
+            size = power35
+            while size < n:
+                size *= 2
+            best = min(best, size)
+            power35 *= 3
+        power5 *= 5
+    return best
 
 
 class StochasticPositionalEncoding(PositionalEncoding):
