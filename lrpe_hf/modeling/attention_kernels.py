@@ -57,9 +57,9 @@ def causal_linear_attention(q, k, v, log_gates=None, initial_state=None, chunk_s
         chunk_decay = G[..., -1].exp().to(v.dtype)[..., None, None]  # (B, H, nc, 1, 1)
         state = initial_state.to(v.dtype) if initial_state is not None else v.new_zeros(B, H, m, dv)
         previous = []
-        for c in range(num_chunks):
+        for decay_c, kv_c in zip(chunk_decay.unbind(2), chunk_kv.unbind(2)):  # unbind: one stacked backward
             previous.append(state)
-            state = chunk_decay[:, :, c] * state + chunk_kv[:, :, c]
+            state = decay_c * state + kv_c
         previous = torch.stack(previous, dim=2)
         out = intra + (q * G.exp().to(q.dtype)[..., None]) @ previous
         final = state

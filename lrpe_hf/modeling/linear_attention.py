@@ -251,8 +251,7 @@ class LinearAttention(nn.Module):
         position_gates = self.position_gates(positions, state, q.dtype)
         if position_gates is not None:
             gates = position_gates if gates is None else gates + position_gates
-        tq = self.positional_encoding.encode_features(fq, positions)
-        tk = self.positional_encoding.encode_features(fk, positions)
+        tq, tk = self.positional_encoding.encode_features(fq, fk, positions)
         if mask is not None:
             v = v.masked_fill(~mask[:, None, :, None], 0.0)
         if o.normalization == "denominator":
@@ -295,8 +294,7 @@ class LinearAttention(nn.Module):
     # ------------------------------------------------------------------ softmax baseline
     def softmax_attention(self, q, k, v, mask, positions, state):
         """SDPA over the encoded raw queries and keys; PermuteFormer's decay becomes an additive log bias."""
-        q = self.positional_encoding.encode_features(q, positions)
-        k = self.positional_encoding.encode_features(k, positions)
+        q, k = self.positional_encoding.encode_features(q, k, positions)
         B, H, N, _ = q.shape
         key_mask = mask if mask is not None else torch.ones(B, N, dtype=torch.bool, device=q.device)
         key_positions = positions

@@ -4,13 +4,15 @@ An encoding can act at up to four places of the attention computation (shapes pe
 N tokens, D head dim, m feature dim); each default is "does nothing":
 
 - ``encode_query_key(q, k, positions, spe_draw)``: before the feature map (SPE). (B,H,N,D) -> (B,H,N,D').
-- ``encode_features(x, positions)``: after the feature map, the same transform for queries and keys
-  (rope, lrpe_*, permute). (B,H,N,m) -> (B,H,N,m').
+- ``encode_features(q, k, positions)``: after the feature map, the same transform for queries and keys
+  (rope, lrpe_*, permute). (B,H,N,m) -> (B,H,N,m'), position tables built once for both.
 - ``log_decay``: a per-head log decay per position, ``(H,)`` or ``None`` (PermuteFormer's causal r).
 - ``value_bias(values, key_positions, query_positions, causal)``: an additive ``W V`` term (FastRPB).
 
 ``positions`` are integer tensors of shape (B, N, A) with A = 1 (sequences) or 2 (row, col of image patches).
 """
+
+import math
 
 import torch
 from torch import nn
@@ -28,8 +30,8 @@ class PositionalEncoding(nn.Module):
     def encode_query_key(self, q, k, positions, spe_draw=None):
         return q, k
 
-    def encode_features(self, x, positions):
-        return x
+    def encode_features(self, q, k, positions):
+        return q, k
 
     @property
     def log_decay(self):
@@ -51,10 +53,19 @@ def axis_of_each(num_units: int, position_dims: int) -> torch.Tensor:
     return (torch.arange(num_units) >= (num_units + 1) // 2).long()
 
 
-def unit_angles(positions: torch.Tensor, frequencies: torch.Tensor, axis: torch.Tensor) -> torch.Tensor:
-    """Angles position * frequency for every (head, unit), in float64 so that large positions stay exact.
+def distinct_rows(positions: torch.Tensor) -> torch.Tensor:
+    """``positions[:1]`` when every batch row holds the same positions (the usual case), else ``positions``:
+    position tables are then built once and broadcast over the batch."""
+    return positions[:1] if bool((positions == positions[:1]).all()) else positions
 
-    positions (B, N, A) int, frequencies (H, U), axis (U,) -> (B, H, N, U) float64.
+
+def unit_cos_sin(positions: torch.Tensor, frequencies: torch.Tensor, axis: torch.Tensor, dtype):
+    """cos and sin of position * frequency for every (head, unit): (B', H, N, U) each, B' from distinct_rows.
+
+    positions (B, N, A) int, frequencies (H, U), axis (U,). The angle is formed and reduced modulo 2 pi in
+    float64, so that large positions stay exact; cos and sin then run in ``dtype`` (at least float32).
     """
-    coordinates = positions.to(torch.float64)[..., axis]  # (B, N, U)
-    return coordinates[:, None] * frequencies.to(torch.float64)[None, :, None, :]
+    coordinates = distinct_rows(positions).to(torch.float64)[..., axis]  # (B', N, U)
+    angles = torch.remainder(coordinates[:, None] * frequencies.to(torch.float64)[None, :, None, :], 2 * math.pi)
+    angles = angles.to(torch.promote_types(dtype, torch.float32))
+    return angles.cos().to(dtype), angles.sin().to(dtype)

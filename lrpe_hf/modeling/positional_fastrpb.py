@@ -23,10 +23,10 @@ def toeplitz_apply(lag_weights: torch.Tensor, values: torch.Tensor) -> torch.Ten
     S = values.shape[-2]
     n = fast_fft_size(2 * S - 1)  # at least 2S - 1: the kept outputs are free of circular wrap-around
     dtype = torch.promote_types(values.dtype, torch.float32)  # the FFT has no half-precision CPU kernels
-    kernel = torch.fft.rfft(lag_weights.to(dtype), n=n, dim=-1)[None, :, :, None]
-    signal = torch.fft.rfft(values.to(dtype), n=n, dim=-2)
-    full = torch.fft.irfft(kernel * signal, n=n, dim=-2)
-    return full[..., S - 1 : 2 * S - 1, :].to(values.dtype)
+    kernel = torch.fft.rfft(lag_weights.to(dtype), n=n, dim=-1)[None, :, None, :]  # (1, H, 1, F)
+    signal = torch.fft.rfft(values.to(dtype).transpose(-1, -2), n=n, dim=-1)  # (B, H, d, F): contiguous FFTs
+    full = torch.fft.irfft(kernel * signal, n=n, dim=-1)
+    return full[..., S - 1 : 2 * S - 1].transpose(-1, -2).to(values.dtype)
 
 
 class FastRelativePositionBias(PositionalEncoding):

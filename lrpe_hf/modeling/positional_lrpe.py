@@ -16,7 +16,7 @@ permutation of eq. 74. Angles are initialised to 10000^(-2i/m) as in Appendix D.
 import torch
 from torch import nn
 
-from .positional_encoding import PositionalEncoding, axis_of_each, unit_angles
+from .positional_encoding import PositionalEncoding, axis_of_each, unit_cos_sin
 from .positional_permute import PermutePositionalEncoding
 from .positional_rope import RotaryPositionalEncoding, rotary_frequencies
 
@@ -75,10 +75,10 @@ class LRPEUnitary(PositionalEncoding):
     def feature_dim(self, feature_dim):
         return 2 * feature_dim
 
-    def encode_features(self, x, positions):
-        y = self.p(x)
-        phase = unit_angles(positions, self.angles, self.axis)
-        return torch.cat([y * phase.cos().to(y.dtype), y * phase.sin().to(y.dtype)], dim=-1)
+    def encode_features(self, q, k, positions):
+        cos, sin = unit_cos_sin(positions, self.angles, self.axis, q.dtype)
+        q, k = self.p(q), self.p(k)
+        return torch.cat([q * cos, q * sin], dim=-1), torch.cat([k * cos, k * sin], dim=-1)
 
 
 class LRPEOrthogonal(PositionalEncoding):
@@ -88,8 +88,8 @@ class LRPEOrthogonal(PositionalEncoding):
         self.p = build_p_matrix(p_matrix, num_heads, feature_dim, learnable_p)
         self.rotation = RotaryPositionalEncoding(num_heads, feature_dim, base, position_dims, learnable_angles)
 
-    def encode_features(self, x, positions):
-        return self.rotation.encode_features(self.p(x), positions)
+    def encode_features(self, q, k, positions):
+        return self.rotation.encode_features(self.p(q), self.p(k), positions)
 
 
 class LRPEPermutation(PositionalEncoding):
@@ -98,5 +98,5 @@ class LRPEPermutation(PositionalEncoding):
         self.p = build_p_matrix(p_matrix, num_heads, feature_dim, learnable_p)
         self.permutation = PermutePositionalEncoding(num_heads, feature_dim, position_dims, causal=False)
 
-    def encode_features(self, x, positions):
-        return self.permutation.encode_features(self.p(x), positions)
+    def encode_features(self, q, k, positions):
+        return self.permutation.encode_features(self.p(q), self.p(k), positions)

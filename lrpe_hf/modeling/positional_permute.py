@@ -9,7 +9,7 @@ permutations act on the two halves of the features, one driven by the row and on
 
 import torch
 
-from .positional_encoding import PositionalEncoding
+from .positional_encoding import PositionalEncoding, distinct_rows
 
 
 class CyclicPermutations(torch.nn.Module):
@@ -46,9 +46,10 @@ class CyclicPermutations(torch.nn.Module):
         members = self.members[None].expand(flat.shape[0], -1, -1)
         return members.gather(-1, flat).view(steps.shape)
 
-    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x (B, H, N, size), positions (B, N) -> P_pi^s x."""
-        return x.gather(-1, self.power_indices(positions))
+    def apply(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
+        """q, k (B, H, N, size), positions (B, N) -> P_pi^s q, P_pi^s k (indices computed once)."""
+        index = self.power_indices(distinct_rows(positions)).expand(q.shape[0], -1, -1, -1)
+        return q.gather(-1, index), k.gather(-1, index)
 
 
 def default_decays(num_heads: int) -> torch.Tensor:
@@ -82,10 +83,12 @@ class PermutePositionalEncoding(PositionalEncoding):
             return None
         return self.decays.log()
 
-    def encode_features(self, x, positions):
-        parts = x.split(self.split, dim=-1)
-        return torch.cat([perm.apply(part, positions[..., a]) for a, (perm, part) in
-                          enumerate(zip(self.permutations, parts))], dim=-1)
+    def encode_features(self, q, k, positions):
+        if len(self.permutations) == 1:
+            return self.permutations[0].apply(q, k, positions[..., 0])
+        parts = [perm.apply(q_part, k_part, positions[..., a]) for a, (perm, q_part, k_part) in
+                 enumerate(zip(self.permutations, q.split(self.split, dim=-1), k.split(self.split, dim=-1)))]
+        return torch.cat([p[0] for p in parts], dim=-1), torch.cat([p[1] for p in parts], dim=-1)
 
     def extra_repr(self):
         return f"position_dims={self.position_dims}, decays={[round(d, 4) for d in self.decays.tolist()]}"

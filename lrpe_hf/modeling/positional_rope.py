@@ -7,15 +7,15 @@ half of the pairs follows the row and the second half the column, each half with
 import torch
 from torch import nn
 
-from .positional_encoding import PositionalEncoding, axis_of_each, unit_angles
+from .positional_encoding import PositionalEncoding, axis_of_each, unit_cos_sin
 
 
-def rotate_pairs(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
-    """Rotate consecutive pairs of ``x`` (..., m) by ``angles`` (..., P) with P <= m // 2; the rest passes through."""
-    num_pairs = angles.shape[-1]
+def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate consecutive pairs of ``x`` (..., m) by angles given as ``cos``, ``sin`` (..., P), P <= m // 2;
+    the remaining features pass through."""
+    num_pairs = cos.shape[-1]
     pairs, rest = x[..., : 2 * num_pairs], x[..., 2 * num_pairs :]
     even, odd = pairs[..., 0::2], pairs[..., 1::2]
-    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
     rotated = torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1).flatten(-2)
     return torch.cat([rotated, rest], dim=-1) if rest.shape[-1] else rotated
 
@@ -45,5 +45,6 @@ class RotaryPositionalEncoding(PositionalEncoding):
             self.register_buffer("frequencies", frequencies, persistent=False)
         self.register_buffer("axis", axis_of_each(num_pairs, position_dims), persistent=False)
 
-    def encode_features(self, x, positions):
-        return rotate_pairs(x, unit_angles(positions, self.frequencies, self.axis))
+    def encode_features(self, q, k, positions):
+        cos, sin = unit_cos_sin(positions, self.frequencies, self.axis, q.dtype)
+        return rotate_pairs(q, cos, sin), rotate_pairs(k, cos, sin)

@@ -1,0 +1,226 @@
+"""Speed and memory of the attention layer, per positional encoding, next to softmax attention (SDPA).
+
+Two parts, measured side by side in one run (the machine may be shared and noisy, so compare ratios):
+
+1. Kernels: causal attention alone from q, k, v (B=1, 8 heads x 64, fp32, forward): SDPA against the chunked
+   linear-attention kernel (elu features).
+2. Layers: ``LinearAttention`` (hidden 512, 8 heads) per encoding, causal and bidirectional: forward time,
+   forward+backward time and peak memory of forward+backward, next to the same layer with softmax attention.
+
+Every configuration runs in a forked child process, so that its peak resident memory can be read on a CPU.
+Writes ``results.csv``, ``results.md`` and ``results.png`` to ``--out`` and prints the summary of ratios.
+
+    python benchmarks/benchmark_attention.py                   # 512 ... 32k tokens, every encoding
+    python benchmarks/benchmark_attention.py --lengths 512 2048 --encodings none rope --device cuda
+"""
+
+import argparse
+import csv
+import os
+import resource
+import time
+from pathlib import Path
+
+import torch
+from torch.nn import functional as F
+
+import lrpe_hf
+from lrpe_hf.modeling.attention_kernels import causal_linear_attention
+
+HIDDEN, HEADS = 512, 8
+
+
+def timed(fn, device, reps):
+    """Best of ``reps`` wall-clock runs after one warm-up, in milliseconds."""
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
+    return 1000 * best
+
+
+def resident_mb():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def in_child(fn):
+    """Run ``fn`` in a forked process and return its result (a dict), or {"error": ...}."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read)
+        try:
+            result = fn()
+        except Exception as error:  # reported in the table, e.g. out of memory
+            result = {"error": f"{type(error).__name__}: {str(error)[:80]}"}
+        with os.fdopen(write, "w") as out:
+            out.write(repr(result))
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as pipe:
+        text = pipe.read()
+    os.waitpid(pid, 0)
+    return eval(text) if text else {"error": "child died (out of memory?)"}
+
+
+def peak_memory(device, baseline_mb):
+    if device == "cuda":
+        return torch.cuda.max_memory_allocated() / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - baseline_mb
+
+
+def kernel_row(kind, tokens, device, reps):
+    def run():
+        torch.manual_seed(0)
+        q, k, v = (torch.randn(1, HEADS, tokens, 64, device=device) for _ in range(3))
+        with torch.no_grad():
+            if kind == "sdpa":
+                ms = timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), device, reps)
+            else:
+                fq, fk = F.elu(q) + 1, F.elu(k) + 1
+                ms = timed(lambda: causal_linear_attention(fq, fk, v), device, reps)
+        return {"forward_ms": ms}
+    return in_child(run)
+
+
+def layer_row(encoding, attention, causal, tokens, device, reps):
+    def run():
+        torch.manual_seed(0)
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        baseline = resident_mb()
+        options = dict(positional_encoding=encoding, causal=causal, attention=attention, max_positions=tokens)
+        layer = lrpe_hf.LinearAttention(HIDDEN, HEADS, **options).to(device)
+        x = torch.randn(1, tokens, HIDDEN, device=device, requires_grad=True)
+
+        def train_step():
+            layer(x).sum().backward()
+
+        train_step()
+        memory = peak_memory(device, baseline)
+        with torch.no_grad():
+            forward = timed(lambda: layer(x), device, reps)
+        return {"forward_ms": forward, "train_ms": timed(train_step, device, reps), "peak_mb": memory}
+    return in_child(run)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384, 32768])
+    parser.add_argument("--encodings", nargs="+", default=list(lrpe_hf.POSITIONAL_ENCODINGS))
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--softmax-max", type=int, default=16384, help="longest input for softmax attention")
+    parser.add_argument("--spe-conv-max", type=int, default=8192, help="longest input for spe_conv (H*N*D*R codes)")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    print(f"device: {args.device}, torch {torch.__version__}, threads {torch.get_num_threads()}")
+
+    rows = []
+    for tokens in args.lengths:
+        for kind in ("sdpa", "linear"):
+            if kind == "sdpa" and tokens > args.softmax_max:
+                continue
+            result = kernel_row(kind, tokens, args.device, args.reps)
+            rows.append({"part": "kernel", "name": kind, "mode": "causal", "tokens": tokens, **result})
+            print(rows[-1], flush=True)
+    variants = [(e, "linear") for e in args.encodings] + [("none", "softmax"), ("rope", "softmax")]
+    for causal in (True, False):
+        for tokens in args.lengths:
+            for encoding, attention in variants:
+                if attention == "softmax" and tokens > args.softmax_max:
+                    continue
+                if encoding == "spe_conv" and tokens > args.spe_conv_max:
+                    continue
+                result = layer_row(encoding, attention, causal, tokens, args.device, args.reps)
+                name = encoding if attention == "linear" else f"softmax+{encoding}"
+                rows.append({"part": "layer", "name": name, "mode": "causal" if causal else "bidirectional",
+                             "tokens": tokens, **result})
+                print(rows[-1], flush=True)
+
+    write_tables(rows, args.out)
+    plot(rows, args.out)
+    print("\n".join(summary(rows)))
+
+
+def write_tables(rows, out):
+    fields = ["part", "name", "mode", "tokens", "forward_ms", "train_ms", "peak_mb", "error"]
+    with open(out / "results.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows(rows)
+    lines = ["| part | name | mode | tokens | forward ms | forward+backward ms | peak MB |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        cells = [r["part"], r["name"], r["mode"], str(r["tokens"])]
+        cells += [f"{r[k]:.1f}" if isinstance(r.get(k), float) else r.get("error", "") for k in
+                  ("forward_ms", "train_ms", "peak_mb")]
+        lines.append("| " + " | ".join(cells) + " |")
+    (out / "results.md").write_text("\n".join(lines + [""] + summary(rows)) + "\n")
+
+
+def lookup(rows, part, name, mode, tokens, key):
+    for r in rows:
+        if (r["part"], r["name"], r["mode"], r["tokens"]) == (part, name, mode, tokens) and key in r:
+            return r[key]
+    return None
+
+
+def summary(rows):
+    lines = ["", "Summary (ratios from this run):"]
+    for tokens in (1024, 4096, 16384):
+        sdpa, linear = (lookup(rows, "kernel", k, "causal", tokens, "forward_ms") for k in ("sdpa", "linear"))
+        if sdpa and linear:
+            lines.append(f"- causal kernel at {tokens}: SDPA {sdpa:.1f} ms, linear {linear:.1f} ms, speed-up {sdpa / linear:.1f}x")
+    base = lookup(rows, "layer", "none", "causal", 4096, "train_ms")
+    if base:
+        for name in sorted({r["name"] for r in rows if r["part"] == "layer"}):
+            t = lookup(rows, "layer", name, "causal", 4096, "train_ms")
+            if t:
+                lines.append(f"- causal forward+backward at 4096, {name}: {t:.0f} ms, overhead over none {100 * (t / base - 1):+.0f}%")
+    for name in sorted({r["name"] for r in rows if r["part"] == "layer"}):
+        small, large = (lookup(rows, "layer", name, "causal", n, "peak_mb") for n in (8192, 32768))
+        if small and large:
+            lines.append(f"- peak memory {name}: {small:.0f} MB at 8k, {large:.0f} MB at 32k, ratio {large / small:.2f}")
+    return lines
+
+
+def plot(rows, out):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(17, 5))
+    layer_rows = [r for r in rows if r["part"] == "layer" and r["mode"] == "causal" and "train_ms" in r]
+    for name in dict.fromkeys(r["name"] for r in layer_rows):
+        points = [(r["tokens"], r["train_ms"], r["peak_mb"]) for r in layer_rows if r["name"] == name]
+        style = "--" if name.startswith("softmax") else "-"
+        axes[0].plot([p[0] for p in points], [p[1] for p in points], style, marker="o", label=name)
+        axes[1].plot([p[0] for p in points], [p[2] for p in points], style, marker="o", label=name)
+    for kind in ("sdpa", "linear"):
+        points = [(r["tokens"], r["forward_ms"]) for r in rows if r["part"] == "kernel" and r["name"] == kind and "forward_ms" in r]
+        axes[2].plot([p[0] for p in points], [p[1] for p in points], marker="o", label=kind)
+    titles = ["causal layer, forward+backward (ms)", "causal layer, peak memory of forward+backward (MB)",
+              "causal kernel alone, forward (ms)"]
+    for ax, title in zip(axes, titles):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("tokens")
+        ax.set_title(title)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].legend(fontsize=8)
+    axes[2].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "results.png", dpi=110)
+
+
+if __name__ == "__main__":
+    main()
