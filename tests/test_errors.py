@@ -65,7 +65,7 @@ def test_bad_inputs():
 
 
 def test_shared_spe_codes_need_a_draw():
-    layer = LinearAttention(16, 2, positional_encoding="spe_sine", own_spe_codes=False)
+    layer = LinearAttention(16, 2, positional_encoding="spe_sine", standalone=False)
     with pytest.raises(ValueError, match="spe_draw"):
         layer(torch.randn(1, 4, 16))
     codes = lrpe_hf.build_spe_codes(layer.options, 2, 8)

@@ -89,7 +89,9 @@ class PerformerFeatureMap(FeatureMap):
 
     phi(x) = exp(W x' - |x'|^2 / 2) / sqrt(m) with x' = x / D^(1/4), so that E[phi(q) . phi(k)] = exp(q . k / sqrt(D)).
     W (m x D) has orthogonal blocks of Gaussian rows rescaled to chi-distributed norms. It is a buffer: saved
-    with the model and fixed in eval mode; with ``redraw=True`` a new W is drawn at every training forward.
+    with the model and fixed in eval mode. With ``redraw=True`` the owner of the layer calls ``redraw_projection``
+    once per training step (the attention layer does it itself when standalone; a model does it before its
+    layers run, so that gradient checkpointing replays the same features).
     """
 
     is_exponential = True
@@ -115,9 +117,11 @@ class PerformerFeatureMap(FeatureMap):
         norms = torch.randn(self.num_features, self.input_dim, device=device).norm(dim=-1, keepdim=True)
         return torch.cat(blocks) * norms
 
+    @torch.no_grad()
+    def redraw_projection(self):
+        self.projection.copy_(self.draw_projection(self.projection.device))
+
     def log_features(self, x):
-        if self.training and self.redraw:
-            self.projection.copy_(self.draw_projection(self.projection.device))
         x = x * self.input_dim**-0.25
         projected = x @ self.projection.to(x.dtype).T
         return projected - 0.5 * x.pow(2).sum(-1, keepdim=True) - 0.5 * math.log(self.num_features)

@@ -104,8 +104,10 @@ class LinearAttention(nn.Module):
 
     Args:
         hidden_size, num_heads: model width and number of heads (head_dim = hidden_size / num_heads).
-        own_spe_codes: for SPE, build this layer's own kernels; a model that shares one set across layers
-            passes ``False`` and gives every forward the model's ``spe_draw``.
+        standalone: the layer owns its randomness. For SPE it builds its own kernels and draws at every
+            forward; with ``performer_redraw`` it redraws its random features at every training forward. A
+            model passes ``False``, shares one SPE draw across its layers (``spe_draw``) and redraws Performer
+            features once per step itself.
         bias: use biases in the q/k/v/output projections.
         **options: any field of :class:`AttentionOptions` (``positional_encoding``, ``feature_map``, ``causal``...).
 
@@ -113,8 +115,7 @@ class LinearAttention(nn.Module):
     = None, state = None, spe_draw = None) -> (B, N, hidden_size)
     """
 
-    def __init__(self, hidden_size: int, num_heads: int, own_spe_codes: bool = True, bias: bool = True,
-                 **options):
+    def __init__(self, hidden_size: int, num_heads: int, standalone: bool = True, bias: bool = True, **options):
         super().__init__()
         if hidden_size % num_heads:
             raise ValueError(f"hidden_size ({hidden_size}) must be a multiple of num_heads ({num_heads})")
@@ -137,7 +138,8 @@ class LinearAttention(nn.Module):
         else:
             self.feature_map = None
             feature_dim = query_key_dim
-        self.positional_encoding = build_positional_encoding(o, num_heads, self.head_dim, feature_dim, own_spe_codes)
+        self.standalone = standalone
+        self.positional_encoding = build_positional_encoding(o, num_heads, self.head_dim, feature_dim, standalone)
         self.output_norm = nn.RMSNorm(self.head_dim, eps=1e-6) if o.normalization == "output_norm" else None
 
     # ------------------------------------------------------------------ inputs
@@ -181,6 +183,8 @@ class LinearAttention(nn.Module):
         if state is not None and not self.options.causal:
             raise ValueError("A recurrent state is only meaningful for causal attention (causal=True)")
         positions = self.resolve_positions(position_ids, mask, state, B, N, hidden_states.device)
+        if self.standalone and self.training and self.options.performer_redraw:
+            self.feature_map.redraw_projection()
         q, k, v = (self.split_heads(proj(hidden_states)) for proj in (self.q_proj, self.k_proj, self.v_proj))
         q, k = self.positional_encoding.encode_query_key(q, k, positions, spe_draw)
         if self.options.attention == "softmax":

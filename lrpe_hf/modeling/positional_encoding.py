@@ -48,9 +48,14 @@ class NoPositionalEncoding(PositionalEncoding):
 def axis_of_each(num_units: int, position_dims: int) -> torch.Tensor:
     """Which position axis drives each of ``num_units`` feature units: all axis 0 in 1D; in 2D the first
     half follows the row, the second half the column. Returns a (num_units,) long tensor."""
-    if position_dims == 1:
-        return torch.zeros(num_units, dtype=torch.long)
-    return (torch.arange(num_units) >= (num_units + 1) // 2).long()
+    counts = units_per_axis(num_units, position_dims)
+    return torch.tensor([a for a, count in enumerate(counts) for _ in range(count)], dtype=torch.long)
+
+
+def units_per_axis(num_units: int, position_dims: int) -> list[int]:
+    """How many units each axis drives: [n] in 1D, [ceil(n/2), floor(n/2)] in 2D. Plain integers, so that
+    modules can be built on the meta device (as ``from_pretrained`` does)."""
+    return [num_units] if position_dims == 1 else [(num_units + 1) // 2, num_units // 2]
 
 
 def distinct_rows(positions: torch.Tensor) -> torch.Tensor:

@@ -45,7 +45,7 @@ class OddEvenPermutation(nn.Module):
         source = torch.empty(dim, dtype=torch.long)
         source[0::2] = index[0::2] // 2
         source[1::2] = (index[1::2] - 1) // 2 + (dim - dim // 2)
-        self.register_buffer("source", source, persistent=False)
+        self.register_buffer("source", source)
 
     def forward(self, x):
         return x[..., self.source]
@@ -70,7 +70,7 @@ class LRPEUnitary(PositionalEncoding):
         # One angle per feature dimension: alpha_i = base^(-2i/m) over each axis's share of the dimensions.
         angles = rotary_frequencies(feature_dim, base ** 2, position_dims).repeat(num_heads, 1)
         self.angles = nn.Parameter(angles, requires_grad=learnable_angles)
-        self.register_buffer("axis", axis, persistent=False)
+        self.register_buffer("axis", axis)
 
     def feature_dim(self, feature_dim):
         return 2 * feature_dim

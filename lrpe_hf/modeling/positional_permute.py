@@ -20,9 +20,10 @@ class CyclicPermutations(torch.nn.Module):
 
     def __init__(self, num_heads: int, size: int):
         super().__init__()
-        members, start, length, index = (torch.empty(num_heads, size, dtype=torch.long) for _ in range(4))
+        # Built on the CPU explicitly: from_pretrained constructs models on the meta device (values then load).
+        members, start, length, index = (torch.zeros(num_heads, size, dtype=torch.long, device="cpu") for _ in range(4))
         for h in range(num_heads):
-            permutation = torch.randperm(size).tolist()
+            permutation = torch.randperm(size, device="cpu").tolist()
             seen, offset = [False] * size, 0
             for first in range(size):
                 if seen[first]:

@@ -7,7 +7,7 @@ half of the pairs follows the row and the second half the column, each half with
 import torch
 from torch import nn
 
-from .positional_encoding import PositionalEncoding, axis_of_each, unit_cos_sin
+from .positional_encoding import PositionalEncoding, axis_of_each, unit_cos_sin, units_per_axis
 
 
 def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -22,12 +22,8 @@ def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 def rotary_frequencies(num_units: int, base: float, position_dims: int) -> torch.Tensor:
     """theta_i = base^(-2i/m) per unit, a separate ladder for each position axis. Returns (num_units,)."""
-    axis = axis_of_each(num_units, position_dims)
-    frequencies = torch.empty(num_units, dtype=torch.float64)
-    for a in range(position_dims):
-        units = int((axis == a).sum())
-        frequencies[axis == a] = base ** (-torch.arange(units, dtype=torch.float64) / units)
-    return frequencies.float()
+    ladder = [base ** (-i / units) for units in units_per_axis(num_units, position_dims) for i in range(units)]
+    return torch.tensor(ladder, dtype=torch.float32)
 
 
 class RotaryPositionalEncoding(PositionalEncoding):
@@ -42,8 +38,8 @@ class RotaryPositionalEncoding(PositionalEncoding):
         if learnable:
             self.frequencies = nn.Parameter(frequencies)
         else:
-            self.register_buffer("frequencies", frequencies, persistent=False)
-        self.register_buffer("axis", axis_of_each(num_pairs, position_dims), persistent=False)
+            self.register_buffer("frequencies", frequencies)
+        self.register_buffer("axis", axis_of_each(num_pairs, position_dims))
 
     def encode_features(self, q, k, positions):
         cos, sin = unit_cos_sin(positions, self.frequencies, self.axis, q.dtype)

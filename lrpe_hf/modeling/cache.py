@@ -1,0 +1,62 @@
+"""The generation cache of a LinearGPT model: one recurrent ``LinearAttentionState`` per layer.
+
+A linear-attention layer needs O(m d) numbers per head whatever the context length (FastRPB adds the values
+it biases with; the softmax baseline keeps its keys and values). The cache counts tokens itself, is not
+compileable, and cannot be cropped (a recurrent state cannot forget its last tokens).
+"""
+
+import torch
+from transformers.cache_utils import Cache
+
+from .linear_attention import LinearAttentionState
+
+
+class LinearAttentionCache(Cache):
+    is_compileable = False
+
+    def __init__(self, num_layers: int):
+        super().__init__(layers=[])
+        self.states = [LinearAttentionState() for _ in range(num_layers)]
+        self.seen_tokens = 0
+
+    def __len__(self):
+        return len(self.states)
+
+    def __repr__(self):
+        return f"LinearAttentionCache(layers={len(self.states)}, seen_tokens={self.seen_tokens})"
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.seen_tokens
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return -1
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return self.seen_tokens + query_length, 0
+
+    @property
+    def is_initialized(self) -> bool:
+        return self.seen_tokens > 0
+
+    def reset(self):
+        self.states = [LinearAttentionState() for _ in self.states]
+        self.seen_tokens = 0
+
+    def reorder_cache(self, beam_idx: torch.LongTensor):
+        for state in self.states:
+            state.reorder(beam_idx)
+
+    def batch_select_indices(self, indices: torch.Tensor):
+        self.reorder_cache(indices)
+
+    def batch_repeat_interleave(self, repeats: int):
+        for state in self.states:
+            for name, value in vars(state).items():
+                if isinstance(value, torch.Tensor):
+                    setattr(state, name, value.repeat_interleave(repeats, dim=0))
+
+    def crop(self, max_length: int):
+        raise NotImplementedError(
+            "A linear-attention state cannot be cropped (it summarises every past token); generation strategies that "
+            "roll back tokens (assisted or prompt-lookup decoding) are not supported by this model"
+        )

@@ -1,0 +1,151 @@
+"""LinearGPT: a pre-norm decoder with causal linear attention, for language modelling and generation.
+
+Generation keeps one recurrent state per layer (``LinearAttentionCache``): each new token costs the same
+whatever the context length. Left-padded batches generate the same text as each prompt alone.
+"""
+
+import torch
+from torch import nn
+from transformers.generation import GenerationMixin
+from transformers.modeling_outputs import (
+    BaseModelOutputWithPast,
+    CausalLMOutputWithPast,
+    SequenceClassifierOutputWithPast,
+)
+from transformers.utils import can_return_tuple
+
+from .cache import LinearAttentionCache
+from .configuration_linear_gpt import LinearGPTConfig
+from .positional_absolute import build_absolute_position_embedding
+from .transformer_stack import LinearPreTrainedModel, LinearTransformerStack
+
+
+class LinearGPTPreTrainedModel(LinearPreTrainedModel):
+    config: LinearGPTConfig
+    config_class = LinearGPTConfig
+    base_model_prefix = "model"
+    _is_stateful = True
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        return False  # the model builds its own recurrent cache
+
+
+class LinearGPTModel(LinearGPTPreTrainedModel):
+    def __init__(self, config: LinearGPTConfig):
+        super().__init__(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.position_embedding = build_absolute_position_embedding(
+            config.absolute_position_embedding, config.hidden_size, config.max_position_embeddings)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+        self.stack = LinearTransformerStack(config, pre_norm=True)
+        self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.embed_tokens = value
+
+    @can_return_tuple
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None, inputs_embeds=None,
+                use_cache=None, output_hidden_states=None, **kwargs) -> BaseModelOutputWithPast:
+        """input_ids (B, N); attention_mask (B, past + N) or (B, N), 1 for tokens, 0 for padding."""
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("Pass exactly one of input_ids and inputs_embeds")
+        hidden_states = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        batch_size, num_tokens = hidden_states.shape[:2]
+        use_cache = use_cache if use_cache is not None else (self.config.use_cache and not self.training)
+        output_hidden_states = output_hidden_states if output_hidden_states is not None else \
+            self.config.output_hidden_states
+        if past_key_values is not None and not isinstance(past_key_values, LinearAttentionCache):
+            raise ValueError(f"LinearGPT keeps recurrent states in a LinearAttentionCache, got "
+                             f"{type(past_key_values).__name__}; pass past_key_values=None to start one")
+        if use_cache and past_key_values is None:
+            past_key_values = LinearAttentionCache(self.config.num_hidden_layers)
+        cache = past_key_values if use_cache else None
+        past = cache.seen_tokens if cache is not None else 0
+
+        mask = None
+        if attention_mask is not None:
+            if attention_mask.dim() != 2 or attention_mask.shape[0] != batch_size or \
+                    attention_mask.shape[1] not in (num_tokens, past + num_tokens):
+                raise ValueError(f"attention_mask must have shape (batch, tokens) = ({batch_size}, {num_tokens}) or "
+                                 f"(batch, past + tokens) = ({batch_size}, {past + num_tokens}); got "
+                                 f"{tuple(attention_mask.shape)}")
+            mask = attention_mask[:, -num_tokens:].bool()
+        if position_ids is None:
+            if attention_mask is not None and attention_mask.shape[1] == past + num_tokens:
+                position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)[:, -num_tokens:]
+            else:
+                position_ids = torch.arange(past, past + num_tokens, device=hidden_states.device)[None]
+                position_ids = position_ids.expand(batch_size, -1)
+        if self.position_embedding is not None:
+            hidden_states = hidden_states + self.position_embedding(position_ids).to(hidden_states.dtype)
+        hidden_states = self.dropout(hidden_states)
+        hidden_states, all_hidden_states = self.stack(hidden_states, mask, position_ids, cache, output_hidden_states)
+        hidden_states = self.norm(hidden_states)
+        if cache is not None:
+            cache.seen_tokens += num_tokens
+        if output_hidden_states:
+            all_hidden_states = tuple(all_hidden_states) + (hidden_states,)
+        return BaseModelOutputWithPast(last_hidden_state=hidden_states, past_key_values=cache,
+                                       hidden_states=all_hidden_states)
+
+
+class LinearGPTForCausalLM(LinearGPTPreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: LinearGPTConfig):
+        super().__init__(config)
+        self.model = LinearGPTModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    @can_return_tuple
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None, inputs_embeds=None,
+                labels=None, use_cache=None, output_hidden_states=None, logits_to_keep=0, **kwargs
+                ) -> CausalLMOutputWithPast:
+        """labels (B, N): the input ids (shifted inside the loss); -100 is ignored."""
+        outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                             past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
+                             output_hidden_states=output_hidden_states)
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        logits = self.lm_head(outputs.last_hidden_state[:, keep])
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=outputs.past_key_values,
+                                      hidden_states=outputs.hidden_states)
+
+
+class LinearGPTForSequenceClassification(LinearGPTPreTrainedModel):
+    """Classifies from the last real token (the last position of the attention mask, or the last non-pad token)."""
+
+    def __init__(self, config: LinearGPTConfig):
+        super().__init__(config)
+        self.num_labels = config.num_labels
+        self.model = LinearGPTModel(config)
+        self.score = nn.Linear(config.hidden_size, config.num_labels, bias=False)
+        self.post_init()
+
+    @can_return_tuple
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, labels=None,
+                output_hidden_states=None, **kwargs) -> SequenceClassifierOutputWithPast:
+        outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                             inputs_embeds=inputs_embeds, use_cache=False, output_hidden_states=output_hidden_states)
+        logits = self.score(outputs.last_hidden_state)
+        batch_size, num_tokens = logits.shape[:2]
+        positions = torch.arange(num_tokens, device=logits.device)
+        if attention_mask is not None:
+            last = (attention_mask.bool() * positions).argmax(-1)
+        elif input_ids is not None and self.config.pad_token_id is not None:
+            last = ((input_ids != self.config.pad_token_id) * positions).argmax(-1)
+        else:
+            last = torch.full((batch_size,), num_tokens - 1, device=logits.device)
+        pooled_logits = logits[torch.arange(batch_size, device=logits.device), last]
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, pooled_logits=pooled_logits, config=self.config)
+        return SequenceClassifierOutputWithPast(loss=loss, logits=pooled_logits, hidden_states=outputs.hidden_states)

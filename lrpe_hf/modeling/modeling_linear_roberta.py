@@ -1,0 +1,187 @@
+"""LinearRoberta: a post-norm bidirectional encoder with linear attention, and its task heads.
+
+Heads: masked language modelling (tied decoder), sequence classification from the first token (single-label,
+multi-label or regression through ``problem_type``, as in Transformers), token classification and extractive
+question answering.
+"""
+
+import torch
+from torch import nn
+from transformers.activations import ACT2FN
+from transformers.modeling_outputs import (
+    BaseModelOutput,
+    MaskedLMOutput,
+    QuestionAnsweringModelOutput,
+    SequenceClassifierOutput,
+    TokenClassifierOutput,
+)
+from transformers.utils import can_return_tuple
+
+from .configuration_linear_roberta import LinearRobertaConfig
+from .positional_absolute import build_absolute_position_embedding
+from .transformer_stack import LinearPreTrainedModel, LinearTransformerStack
+
+
+class LinearRobertaPreTrainedModel(LinearPreTrainedModel):
+    config: LinearRobertaConfig
+    config_class = LinearRobertaConfig
+    base_model_prefix = "model"
+
+
+class LinearRobertaModel(LinearRobertaPreTrainedModel):
+    def __init__(self, config: LinearRobertaConfig):
+        super().__init__(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
+        self.position_embedding = build_absolute_position_embedding(
+            config.absolute_position_embedding, config.hidden_size, config.max_position_embeddings)
+        self.embedding_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+        self.stack = LinearTransformerStack(config, pre_norm=False)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.embed_tokens = value
+
+    @can_return_tuple
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None,
+                output_hidden_states=None, **kwargs) -> BaseModelOutput:
+        """input_ids (B, N); attention_mask (B, N), 1 for tokens, 0 for padding. Positions count real tokens."""
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("Pass exactly one of input_ids and inputs_embeds")
+        hidden_states = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        batch_size, num_tokens = hidden_states.shape[:2]
+        output_hidden_states = output_hidden_states if output_hidden_states is not None else \
+            self.config.output_hidden_states
+        mask = None
+        if attention_mask is not None:
+            if attention_mask.shape != (batch_size, num_tokens):
+                raise ValueError(f"attention_mask must have shape (batch, tokens) = ({batch_size}, {num_tokens}), got "
+                                 f"{tuple(attention_mask.shape)}")
+            mask = attention_mask.bool()
+        if position_ids is None:
+            if mask is not None:
+                position_ids = (mask.long().cumsum(-1) - 1).clamp_min(0)
+            else:
+                position_ids = torch.arange(num_tokens, device=hidden_states.device)[None].expand(batch_size, -1)
+        if self.position_embedding is not None:
+            hidden_states = hidden_states + self.position_embedding(position_ids).to(hidden_states.dtype)
+        hidden_states = self.dropout(self.embedding_norm(hidden_states))
+        hidden_states, all_hidden_states = self.stack(hidden_states, mask, position_ids, None, output_hidden_states)
+        if output_hidden_states:
+            all_hidden_states = tuple(all_hidden_states) + (hidden_states,)
+        return BaseModelOutput(last_hidden_state=hidden_states, hidden_states=all_hidden_states)
+
+
+class LinearRobertaForMaskedLM(LinearRobertaPreTrainedModel):
+    _tied_weights_keys = {"lm_head.decoder.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: LinearRobertaConfig):
+        super().__init__(config)
+        self.model = LinearRobertaModel(config)
+        self.lm_head = LinearRobertaLMHead(config)
+        self.post_init()
+
+    def get_output_embeddings(self):
+        return self.lm_head.decoder
+
+    def set_output_embeddings(self, new_embeddings):
+        self.lm_head.decoder = new_embeddings
+
+    @can_return_tuple
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, labels=None,
+                output_hidden_states=None, **kwargs) -> MaskedLMOutput:
+        """labels (B, N): token ids at masked positions, -100 elsewhere."""
+        outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                             inputs_embeds=inputs_embeds, output_hidden_states=output_hidden_states)
+        logits = self.lm_head(outputs.last_hidden_state)
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        return MaskedLMOutput(loss=loss, logits=logits, hidden_states=outputs.hidden_states)
+
+
+class LinearRobertaLMHead(nn.Module):
+    """dense -> activation -> LayerNorm -> decoder tied to the input embeddings (+ bias)."""
+
+    def __init__(self, config: LinearRobertaConfig):
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.activation = ACT2FN[config.hidden_act]
+        self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.decoder = nn.Linear(config.hidden_size, config.vocab_size)
+
+    def forward(self, hidden_states):
+        return self.decoder(self.norm(self.activation(self.dense(hidden_states))))
+
+
+class LinearRobertaForSequenceClassification(LinearRobertaPreTrainedModel):
+    """A RoBERTa-style head (dense, tanh, projection) on the first token."""
+
+    def __init__(self, config: LinearRobertaConfig):
+        super().__init__(config)
+        self.num_labels = config.num_labels
+        self.model = LinearRobertaModel(config)
+        dropout = config.classifier_dropout if config.classifier_dropout is not None else config.hidden_dropout_prob
+        self.classifier = nn.Sequential(nn.Dropout(dropout), nn.Linear(config.hidden_size, config.hidden_size),
+                                        nn.Tanh(), nn.Dropout(dropout), nn.Linear(config.hidden_size, config.num_labels))
+        self.post_init()
+
+    @can_return_tuple
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, labels=None,
+                output_hidden_states=None, **kwargs) -> SequenceClassifierOutput:
+        """labels (B,) class ids, (B, num_labels) multi-hot floats, or (B,) floats for regression (num_labels=1)."""
+        outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                             inputs_embeds=inputs_embeds, output_hidden_states=output_hidden_states)
+        logits = self.classifier(outputs.last_hidden_state[:, 0])
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, pooled_logits=logits, config=self.config)
+        return SequenceClassifierOutput(loss=loss, logits=logits, hidden_states=outputs.hidden_states)
+
+
+class LinearRobertaForTokenClassification(LinearRobertaPreTrainedModel):
+    def __init__(self, config: LinearRobertaConfig):
+        super().__init__(config)
+        self.num_labels = config.num_labels
+        self.model = LinearRobertaModel(config)
+        dropout = config.classifier_dropout if config.classifier_dropout is not None else config.hidden_dropout_prob
+        self.dropout = nn.Dropout(dropout)
+        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+        self.post_init()
+
+    @can_return_tuple
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, labels=None,
+                output_hidden_states=None, **kwargs) -> TokenClassifierOutput:
+        """labels (B, N) class ids, -100 ignored."""
+        outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                             inputs_embeds=inputs_embeds, output_hidden_states=output_hidden_states)
+        logits = self.classifier(self.dropout(outputs.last_hidden_state))
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, config=self.config)
+        return TokenClassifierOutput(loss=loss, logits=logits, hidden_states=outputs.hidden_states)
+
+
+class LinearRobertaForQuestionAnswering(LinearRobertaPreTrainedModel):
+    def __init__(self, config: LinearRobertaConfig):
+        super().__init__(config)
+        self.model = LinearRobertaModel(config)
+        self.qa_outputs = nn.Linear(config.hidden_size, 2)
+        self.post_init()
+
+    @can_return_tuple
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None,
+                start_positions=None, end_positions=None, output_hidden_states=None, **kwargs
+                ) -> QuestionAnsweringModelOutput:
+        """start_positions, end_positions (B,): the answer span's token indices."""
+        outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                             inputs_embeds=inputs_embeds, output_hidden_states=output_hidden_states)
+        start_logits, end_logits = self.qa_outputs(outputs.last_hidden_state).unbind(-1)
+        loss = None
+        if start_positions is not None and end_positions is not None:
+            loss = self.loss_function(start_logits, end_logits, start_positions, end_positions)
+        return QuestionAnsweringModelOutput(loss=loss, start_logits=start_logits, end_logits=end_logits,
+                                            hidden_states=outputs.hidden_states)

@@ -1,0 +1,66 @@
+"""The stack of layers shared by the three families, and the weight initialisation they share.
+
+The stack owns what its layers share: the SPE kernels (one set for every layer, one noise draw per forward)
+and the Performer random features' redraw (once per training step, before any layer runs, so that gradient
+checkpointing replays the same features).
+"""
+
+from torch import nn
+from transformers import PreTrainedModel
+from transformers import initialization as init
+
+from .linear_attention import build_spe_codes
+from .transformer_layer import LinearTransformerLayer
+
+
+class LinearTransformerStack(nn.Module):
+    def __init__(self, config, pre_norm: bool):
+        super().__init__()
+        self.layers = nn.ModuleList([LinearTransformerLayer(config, pre_norm) for _ in range(config.num_hidden_layers)])
+        options = config.attention_options()
+        head_dim = config.hidden_size // config.num_attention_heads
+        is_spe = options.positional_encoding in ("spe_sine", "spe_conv")
+        self.spe_codes = build_spe_codes(options, config.num_attention_heads, head_dim) if is_spe else None
+        self.redraw_features = options.attention == "linear" and options.feature_map == "performer" and \
+            options.performer_redraw
+
+    def forward(self, hidden_states, attention_mask=None, position_ids=None, cache=None, output_hidden_states=False):
+        """hidden_states (B, N, hidden) -> last hidden states and, if asked, the input of every layer plus the last."""
+        if self.training and self.redraw_features:
+            for layer in self.layers:
+                layer.attention.feature_map.redraw_projection()
+        spe_draw = self.spe_codes.draw(hidden_states.device) if self.spe_codes is not None else None
+        all_hidden_states = [] if output_hidden_states else None
+        for index, layer in enumerate(self.layers):
+            if output_hidden_states:
+                all_hidden_states.append(hidden_states)
+            state = cache.states[index] if cache is not None else None
+            hidden_states = layer(hidden_states, attention_mask=attention_mask, position_ids=position_ids, state=state,
+                                  spe_draw=spe_draw)
+        return hidden_states, all_hidden_states
+
+
+class LinearPreTrainedModel(PreTrainedModel):
+    """Weight initialisation and capabilities shared by the three families."""
+
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["LinearTransformerLayer"]
+    _supports_sdpa = True
+
+    def _init_weights(self, module):
+        std = self.config.initializer_range
+        if isinstance(module, nn.Linear):
+            init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            init.normal_(module.weight, mean=0.0, std=std)
+            if module.padding_idx is not None and not getattr(module.weight, "_is_hf_initialized", False):
+                init.zeros_(module.weight[module.padding_idx])
+        elif isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
+            if module.weight is not None:
+                init.ones_(module.weight)
+            if getattr(module, "bias", None) is not None:
+                init.zeros_(module.bias)
+        # The positional encodings initialise their own parameters (angles, Householder vectors, SPE kernels,
+        # FastRPB weights) when they are built; checkpoints always carry them.
