@@ -125,6 +125,11 @@ class SPECodes(nn.Module):
             self._block_cache[key] = seeded_normal(self.seed, (1,) + index, shape)
         return self._block_cache[key]
 
+    def prepare(self, draw: SPEDraw, positions: torch.Tensor):
+        """Build the draw's position-dependent tables before the layers run, so that every layer (and a
+        gradient-checkpointing replay) reads the same cached tensors. positions (B, N, A)."""
+        raise NotImplementedError
+
     def gate_noise(self, draw: SPEDraw) -> torch.Tensor:
         return draw.tensor("gate", (self.num_heads, self.head_dim, self.num_realizations))
 
@@ -163,6 +168,9 @@ class SineSPECodes(SPECodes):
             phase = (2 * math.pi) * torch.frac(cycles).to(torch.promote_types(self.frequencies.dtype, torch.float32))
             return torch.cat([phase.cos(), phase.sin()], dim=-1)
         return draw.cached("sine_table", positions, build)
+
+    def prepare(self, draw, positions):
+        self.position_table(positions, draw)
 
     def mixing_matrix(self, draw, gate, is_query, dtype):
         """The noise Z folded with amplitudes / sqrt(K), the gate sqrt(1 - delta) and, for queries, the phase
@@ -241,6 +249,10 @@ class ConvSPECodes(SPECodes):
             return grid[(slice(None),) + tuple(index[..., a] for a in range(A))].transpose(0, 1)
 
         return draw.cached("conv_query" if is_query else "conv_key", positions, build)
+
+    def prepare(self, draw, positions):
+        self.codes(positions, draw, True)
+        self.codes(positions, draw, False)
 
     def encode(self, x, positions, draw, gate, is_query):
         codes = self.codes(positions, draw, is_query).to(x.dtype)

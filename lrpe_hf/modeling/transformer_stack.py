@@ -29,7 +29,11 @@ class LinearTransformerStack(nn.Module):
         if self.training and self.redraw_features:
             for layer in self.layers:
                 layer.attention.feature_map.redraw_projection()
-        spe_draw = self.spe_codes.draw(hidden_states.device) if self.spe_codes is not None else None
+        spe_draw = None
+        if self.spe_codes is not None:
+            spe_draw = self.spe_codes.draw(hidden_states.device)
+            positions = position_ids[..., None] if position_ids.dim() == 2 else position_ids
+            self.spe_codes.prepare(spe_draw, positions.expand(hidden_states.shape[0], -1, -1).long())
         all_hidden_states = [] if output_hidden_states else None
         for index, layer in enumerate(self.layers):
             if output_hidden_states:

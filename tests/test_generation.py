@@ -1,0 +1,106 @@
+"""LinearGPT generation: recurrent cache, incremental == full forward, padding, strategies, unsupported modes."""
+
+import pytest
+import torch
+
+import lrpe_hf
+from lrpe_hf import LinearAttentionCache, LinearGPTConfig, LinearGPTForCausalLM
+
+CONFIG = dict(vocab_size=60, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+              max_position_embeddings=128, pad_token_id=0, eos_token_id=None, hidden_dropout_prob=0.0,
+              spe_realizations=8)
+
+
+def model_with(encoding="lrpe_orthogonal", **kw):
+    torch.manual_seed(0)
+    return LinearGPTForCausalLM(LinearGPTConfig(**{**CONFIG, "positional_encoding": encoding, **kw})).eval()
+
+
+def prompt(batch=2, tokens=7, seed=0):
+    return torch.randint(3, 60, (batch, tokens), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("attention", ["linear", "softmax"])
+@pytest.mark.parametrize("encoding", lrpe_hf.POSITIONAL_ENCODINGS)
+def test_incremental_decoding_equals_full_forward(encoding, attention):
+    feature_map = "exp" if attention == "linear" and encoding in ("rope", "spe_sine") else None
+    model = model_with(encoding, attention=attention, feature_map=feature_map)
+    ids = prompt(tokens=12)
+    with torch.no_grad():
+        full = model(ids, use_cache=False).logits
+        cache = LinearAttentionCache(model.config.num_hidden_layers)
+        pieces = [model(ids[:, :5], past_key_values=cache, use_cache=True).logits]
+        for t in range(5, 12):
+            pieces.append(model(ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits)
+    torch.testing.assert_close(torch.cat(pieces, dim=1), full, atol=1e-5, rtol=1e-4)
+    assert cache.get_seq_length() == 12
+
+
+@pytest.mark.parametrize("encoding", ["lrpe_orthogonal", "permute", "spe_conv", "fastrpb", "lrpe_unitary"])
+def test_left_padded_batched_generation_equals_each_prompt_alone(encoding):
+    model = model_with(encoding)
+    short, long = prompt(batch=1, tokens=4, seed=1), prompt(batch=1, tokens=7, seed=2)
+    ids = torch.cat([torch.cat([torch.zeros(1, 3, dtype=torch.long), short], dim=1), long])
+    mask = (ids != 0).long()
+    mask[1] = 1
+    batched = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    alone_short = model.generate(short, max_new_tokens=6, do_sample=False)
+    alone_long = model.generate(long, max_new_tokens=6, do_sample=False)
+    assert batched[0, 3:].tolist() == alone_short[0].tolist()
+    assert batched[1].tolist() == alone_long[0].tolist()
+
+
+def test_sampling_and_beam_search():
+    model = model_with("permute")
+    ids = prompt()
+    torch.manual_seed(5)
+    first = model.generate(ids, max_new_tokens=5, do_sample=True, top_k=10)
+    torch.manual_seed(5)
+    again = model.generate(ids, max_new_tokens=5, do_sample=True, top_k=10)
+    assert first.tolist() == again.tolist()
+    greedy = model.generate(ids, max_new_tokens=5, do_sample=False)
+    single_beam = model.generate(ids, max_new_tokens=5, num_beams=1, do_sample=False)
+    assert greedy.tolist() == single_beam.tolist()
+    beams = model.generate(ids, max_new_tokens=5, num_beams=3, do_sample=False, num_return_sequences=2)
+    assert beams.shape == (4, 12)
+    # beam search over a batch equals beam search over each prompt alone
+    for row in range(2):
+        alone = model.generate(ids[row:row + 1], max_new_tokens=5, num_beams=3, do_sample=False,
+                               num_return_sequences=2)
+        assert beams[2 * row:2 * row + 2].tolist() == alone.tolist()
+
+
+def test_beam_search_scores_match_a_full_forward():
+    """The best beam's score is the log-probability of its tokens under a full (non-cached) forward."""
+    model = model_with("lrpe_orthogonal")
+    ids = prompt(batch=1)
+    out = model.generate(ids, max_new_tokens=4, num_beams=3, do_sample=False, output_scores=True,
+                         return_dict_in_generate=True, length_penalty=0.0)
+    sequence = out.sequences[0:1]
+    with torch.no_grad():
+        logprobs = model(sequence, use_cache=False).logits.log_softmax(-1)
+    new = sequence[0, ids.shape[1]:]
+    expected = sum(logprobs[0, ids.shape[1] - 1 + i, token] for i, token in enumerate(new.tolist()))
+    torch.testing.assert_close(out.sequences_scores[0], expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("encoding", ["lrpe_orthogonal", "permute", "spe_sine"])
+def test_state_size_does_not_grow_with_context(encoding):
+    model = model_with(encoding)
+
+    def cache_numbers(tokens):
+        cache = LinearAttentionCache(model.config.num_hidden_layers)
+        with torch.no_grad():
+            model(prompt(tokens=tokens), past_key_values=cache, use_cache=True)
+        return sum(v.numel() for s in cache.states for v in vars(s).values() if isinstance(v, torch.Tensor))
+
+    assert cache_numbers(5) == cache_numbers(80)
+
+
+def test_unsupported_generation_modes_raise():
+    model = model_with()
+    with pytest.raises(Exception, match="cannot be cropped|not supported"):
+        model.generate(prompt(batch=1), max_new_tokens=5, prompt_lookup_num_tokens=2, do_sample=False)
+    from transformers import DynamicCache
+    with pytest.raises(ValueError, match="LinearAttentionCache"):
+        model(prompt(), past_key_values=DynamicCache(), use_cache=True)

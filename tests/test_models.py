@@ -1,0 +1,314 @@
+"""The three families behave like in-tree Transformers models."""
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch.nn import functional as F
+from transformers import (
+    AutoConfig,
+    AutoModel,
+    AutoModelForCausalLM,
+    AutoModelForImageClassification,
+    AutoModelForMaskedLM,
+    AutoModelForQuestionAnswering,
+    AutoModelForSequenceClassification,
+    AutoModelForTokenClassification,
+)
+
+import lrpe_hf
+from lrpe_hf import (
+    LinearGPTConfig,
+    LinearGPTForCausalLM,
+    LinearGPTForSequenceClassification,
+    LinearRobertaConfig,
+    LinearRobertaForMaskedLM,
+    LinearRobertaForQuestionAnswering,
+    LinearRobertaForSequenceClassification,
+    LinearRobertaForTokenClassification,
+    LinearViTConfig,
+    LinearViTForImageClassification,
+)
+
+TINY = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, spe_realizations=8)
+
+
+def roberta_config(**kw):
+    return LinearRobertaConfig(**{**TINY, "vocab_size": 60, "max_position_embeddings": 64, **kw})
+
+
+def gpt_config(**kw):
+    return LinearGPTConfig(**{**TINY, "vocab_size": 60, "max_position_embeddings": 64, "pad_token_id": 0,
+                              "hidden_dropout_prob": 0.0, **kw})
+
+
+def vit_config(**kw):
+    return LinearViTConfig(**{**TINY, "image_size": 32, "patch_size": 8, "num_labels": 3, **kw})
+
+
+def text_batch(batch=2, tokens=9, seed=0):
+    return torch.randint(3, 60, (batch, tokens), generator=torch.Generator().manual_seed(seed))
+
+
+def images(batch=2, size=32, seed=0):
+    return torch.randn(batch, 3, size, size, generator=torch.Generator().manual_seed(seed))
+
+
+FAMILIES = {
+    "roberta": (roberta_config, LinearRobertaForMaskedLM, AutoModelForMaskedLM, lambda: {"input_ids": text_batch()}),
+    "gpt": (gpt_config, LinearGPTForCausalLM, AutoModelForCausalLM, lambda: {"input_ids": text_batch()}),
+    "vit": (vit_config, LinearViTForImageClassification, AutoModelForImageClassification,
+            lambda: {"pixel_values": images()}),
+}
+
+
+def labels_for(family, inputs):
+    if family == "vit":
+        return torch.tensor([0, 2])
+    return inputs["input_ids"].clone()
+
+
+@pytest.mark.parametrize("encoding", lrpe_hf.POSITIONAL_ENCODINGS)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_encoding_trains_and_round_trips(family, encoding, tmp_path):
+    make_config, model_class, auto_class, make_inputs = FAMILIES[family]
+    torch.manual_seed(0)
+    model = model_class(make_config(positional_encoding=encoding))
+    inputs = make_inputs()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model.train()
+    first = model(**inputs, labels=labels_for(family, inputs)).loss
+    first.backward()
+    optimizer.step()
+    assert torch.isfinite(first)
+    model.eval()
+    with torch.no_grad():
+        expected = model(**inputs).logits
+    model.save_pretrained(tmp_path)
+    assert (tmp_path / "model.safetensors").exists()
+    loaded = auto_class.from_pretrained(tmp_path).eval()
+    assert type(loaded) is model_class
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(**inputs).logits, expected)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_hidden_states_and_return_dict(family):
+    make_config, model_class, _, make_inputs = FAMILIES[family]
+    model = model_class(make_config()).eval()
+    out = model(**make_inputs(), output_hidden_states=True)
+    assert len(out.hidden_states) == model.config.num_hidden_layers + 1
+    as_tuple = model(**make_inputs(), return_dict=False)
+    torch.testing.assert_close(as_tuple[0], out.logits)
+
+
+@pytest.mark.parametrize("encoding", ["lrpe_orthogonal", "permute", "spe_conv", "fastrpb", "rope"])
+def test_roberta_padded_batch_equals_unbatched(encoding):
+    model = LinearRobertaForSequenceClassification(roberta_config(positional_encoding=encoding)).eval()
+    ids = text_batch(batch=2, tokens=10)
+    mask = torch.ones_like(ids)
+    mask[1, 6:] = 0
+    ids[1, 6:] = 1  # pad id
+    batched = model(ids, attention_mask=mask).logits
+    torch.testing.assert_close(batched[0], model(ids[:1]).logits[0])
+    torch.testing.assert_close(batched[1], model(ids[1:, :6]).logits[0])
+
+
+@pytest.mark.parametrize("encoding", ["lrpe_unitary", "permute", "spe_sine", "fastrpb"])
+def test_gpt_left_padded_batch_equals_unbatched(encoding):
+    model = LinearGPTForCausalLM(gpt_config(positional_encoding=encoding)).eval()
+    ids = text_batch(batch=2, tokens=10)
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    ids[1, :4] = 0
+    batched = model(ids, attention_mask=mask).logits
+    torch.testing.assert_close(batched[0], model(ids[:1]).logits[0])
+    torch.testing.assert_close(batched[1, 4:], model(ids[1:, 4:]).logits[0])
+
+
+def test_losses_match_their_definitions():
+    torch.manual_seed(0)
+    ids = text_batch()
+    mlm = LinearRobertaForMaskedLM(roberta_config()).eval()
+    labels = torch.full_like(ids, -100)
+    labels[:, 2] = ids[:, 2]
+    out = mlm(ids, labels=labels)
+    torch.testing.assert_close(out.loss, F.cross_entropy(out.logits[:, 2], ids[:, 2]))
+
+    clm = LinearGPTForCausalLM(gpt_config()).eval()
+    out = clm(ids, labels=ids)
+    torch.testing.assert_close(out.loss, F.cross_entropy(out.logits[:, :-1].reshape(-1, 60), ids[:, 1:].reshape(-1)))
+
+    single = LinearRobertaForSequenceClassification(roberta_config(num_labels=3)).eval()
+    out = single(ids, labels=torch.tensor([0, 2]))
+    torch.testing.assert_close(out.loss, F.cross_entropy(out.logits, torch.tensor([0, 2])))
+    multi = LinearRobertaForSequenceClassification(roberta_config(num_labels=3,
+                                                                  problem_type="multi_label_classification")).eval()
+    targets = torch.tensor([[1.0, 0.0, 1.0], [0.0, 1.0, 0.0]])
+    out = multi(ids, labels=targets)
+    torch.testing.assert_close(out.loss, F.binary_cross_entropy_with_logits(out.logits, targets))
+    regression = LinearRobertaForSequenceClassification(roberta_config(num_labels=1)).eval()
+    out = regression(ids, labels=torch.tensor([0.5, -1.0]))
+    torch.testing.assert_close(out.loss, F.mse_loss(out.logits.squeeze(-1), torch.tensor([0.5, -1.0])))
+
+    tokens = LinearRobertaForTokenClassification(roberta_config(num_labels=4)).eval()
+    tags = torch.randint(0, 4, ids.shape)
+    out = tokens(ids, labels=tags)
+    torch.testing.assert_close(out.loss, F.cross_entropy(out.logits.reshape(-1, 4), tags.reshape(-1)))
+    qa = LinearRobertaForQuestionAnswering(roberta_config()).eval()
+    start, end = torch.tensor([1, 3]), torch.tensor([2, 5])
+    out = qa(ids, start_positions=start, end_positions=end)
+    expected = (F.cross_entropy(out.start_logits, start) + F.cross_entropy(out.end_logits, end)) / 2
+    torch.testing.assert_close(out.loss, expected)
+
+    gpt_classifier = LinearGPTForSequenceClassification(gpt_config(num_labels=2)).eval()
+    mask = torch.ones_like(ids)
+    mask[0, 7:] = 0
+    out = gpt_classifier(ids, attention_mask=mask)
+    last_hidden = gpt_classifier.model(ids[:1, :7]).last_hidden_state[0, -1]
+    torch.testing.assert_close(out.logits[0], gpt_classifier.score(last_hidden))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_gradient_checkpointing_gives_the_same_gradients(family):
+    make_config, model_class, _, make_inputs = FAMILIES[family]
+    torch.manual_seed(0)
+    model = model_class(make_config(positional_encoding="spe_sine", hidden_dropout_prob=0.0))
+    model.train()
+    inputs = make_inputs()
+
+    def gradients():
+        model.zero_grad()
+        torch.manual_seed(123)  # the same SPE draw in both runs
+        model(**inputs, labels=labels_for(family, inputs)).loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    plain = gradients()
+    model.activation_checkpointing_enable()
+    checkpointed = gradients()
+    assert plain.keys() == checkpointed.keys()
+    for name in plain:
+        torch.testing.assert_close(checkpointed[name], plain[name], msg=name)
+
+
+def test_tied_embeddings_and_resize():
+    for model in (LinearRobertaForMaskedLM(roberta_config()), LinearGPTForCausalLM(gpt_config())):
+        output = model.get_output_embeddings()
+        assert output.weight is model.get_input_embeddings().weight
+        model.resize_token_embeddings(75)
+        assert model.get_input_embeddings().weight.shape[0] == 75
+        assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+        assert model.config.vocab_size == 75
+        ids = torch.tensor([[1, 74, 5]])
+        assert model(ids).logits.shape == (1, 3, 75)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bf16_autocast(family):
+    make_config, model_class, _, make_inputs = FAMILIES[family]
+    model = model_class(make_config()).eval()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = model(**make_inputs()).logits
+    assert torch.isfinite(logits.float()).all()
+    reference = model(**make_inputs()).logits
+    assert (logits.float() - reference).abs().max() < 0.1 * reference.abs().max() + 0.1
+
+
+def test_torch_compile_forward():
+    model = LinearGPTForCausalLM(gpt_config(positional_encoding="rope")).eval()
+    ids = text_batch()
+    expected = model(ids, use_cache=False).logits
+    compiled = torch.compile(model)
+    torch.testing.assert_close(compiled(ids, use_cache=False).logits, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_auto_classes_resolve():
+    for config, auto_class, family in [
+        (roberta_config(), AutoModelForSequenceClassification, "LinearRobertaForSequenceClassification"),
+        (roberta_config(), AutoModelForTokenClassification, "LinearRobertaForTokenClassification"),
+        (roberta_config(), AutoModelForQuestionAnswering, "LinearRobertaForQuestionAnswering"),
+        (roberta_config(), AutoModel, "LinearRobertaModel"),
+        (gpt_config(), AutoModelForSequenceClassification, "LinearGPTForSequenceClassification"),
+        (gpt_config(), AutoModel, "LinearGPTModel"),
+        (vit_config(), AutoModel, "LinearViTModel"),
+    ]:
+        assert type(auto_class.from_config(config)).__name__ == family
+    assert isinstance(AutoConfig.for_model("linear_gpt"), LinearGPTConfig)
+
+
+def test_vit_accepts_other_image_sizes_with_relative_encodings():
+    model = LinearViTForImageClassification(vit_config(positional_encoding="lrpe_orthogonal")).eval()
+    assert model(pixel_values=images(size=48)).logits.shape == (2, 3)
+    learned = LinearViTForImageClassification(vit_config(positional_encoding="none",
+                                                         absolute_position_embedding="learned")).eval()
+    with pytest.raises(ValueError, match="32x32 images"):
+        learned(pixel_values=images(size=48))
+    fastrpb = LinearViTForImageClassification(vit_config(positional_encoding="fastrpb")).eval()
+    with pytest.raises(ValueError, match="max_positions"):
+        fastrpb(pixel_values=images(size=48))
+
+
+def test_bad_configs_and_inputs(tmp_path):
+    with pytest.raises(ValueError, match="valid values"):
+        roberta_config(positional_encoding="alibi")
+    with pytest.raises(ValueError, match="valid values: none, sinusoidal, learned"):
+        gpt_config(absolute_position_embedding="rotary")
+    with pytest.raises(ValueError, match="multiple of num_attention_heads"):
+        roberta_config(hidden_size=30)
+    with pytest.raises(ValueError, match="multiple of patch_size"):
+        vit_config(image_size=30)
+    model = LinearGPTForCausalLM(gpt_config(absolute_position_embedding="learned"))
+    with pytest.raises(ValueError, match="positions 0..63"):
+        model(torch.randint(3, 60, (1, 70)))
+    with pytest.raises(ValueError, match="attention_mask must have shape"):
+        model(text_batch(), attention_mask=torch.ones(2, 3))
+    # a checkpoint whose config does not match its weights
+    LinearGPTForCausalLM(gpt_config()).save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["hidden_size"] = 64
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(Exception, match="(?i)size mismatch|mismatch"):
+        LinearGPTForCausalLM.from_pretrained(tmp_path)
+
+
+REMOTE_SCRIPT = textwrap.dedent("""
+    import sys
+    sys.modules["lrpe_hf"] = None  # lrpe_hf cannot be imported in this process
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForMaskedLM, AutoModelForImageClassification
+    kind, path, expected_path, inputs_path = sys.argv[1:]
+    auto = {"gpt": AutoModelForCausalLM, "roberta": AutoModelForMaskedLM, "vit": AutoModelForImageClassification}[kind]
+    model = auto.from_pretrained(path, trust_remote_code=True).eval()
+    assert "lrpe_hf" not in type(model).__module__, type(model).__module__
+    inputs = torch.load(inputs_path)
+    with torch.no_grad():
+        logits = model(**inputs).logits
+    torch.testing.assert_close(logits, torch.load(expected_path))
+    if kind == "gpt":
+        out = model.generate(inputs["input_ids"], max_new_tokens=3, do_sample=False)
+        assert out.shape[1] == inputs["input_ids"].shape[1] + 3
+    print("remote ok", type(model).__name__)
+""")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_checkpoint_loads_as_remote_code_without_lrpe_hf(family, tmp_path):
+    make_config, model_class, _, make_inputs = FAMILIES[family]
+    model = model_class(make_config(positional_encoding="spe_conv" if family == "gpt" else "lrpe_unitary")).eval()
+    inputs = make_inputs()
+    with torch.no_grad():
+        torch.save(model(**inputs).logits, tmp_path / "expected.pt")
+    torch.save(inputs, tmp_path / "inputs.pt")
+    model.save_pretrained(tmp_path / "checkpoint")
+    assert (tmp_path / "checkpoint" / "linear_attention.py").exists()
+    script = tmp_path / "remote.py"
+    script.write_text(REMOTE_SCRIPT)
+    result = subprocess.run([sys.executable, str(script), family, str(tmp_path / "checkpoint"),
+                             str(tmp_path / "expected.pt"), str(tmp_path / "inputs.pt")],
+                            capture_output=True, text=True, cwd=tmp_path, env={"HF_HUB_OFFLINE": "1",
+                                                                                "PATH": "/usr/bin:/bin"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "remote ok" in result.stdout
