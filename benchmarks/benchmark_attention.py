@@ -16,64 +16,16 @@ Writes ``results.csv``, ``results.md`` and ``results.png`` to ``--out`` and prin
 
 import argparse
 import csv
-import os
-import resource
-import time
 from pathlib import Path
 
 import torch
+from measure import in_child, peak_memory_mb, resident_mb, timed
 from torch.nn import functional as F
 
 import lrpe_hf
 from lrpe_hf.modeling.attention_kernels import causal_linear_attention
 
 HIDDEN, HEADS = 512, 8
-
-
-def timed(fn, device, reps):
-    """Best of ``reps`` wall-clock runs after one warm-up, in milliseconds."""
-    fn()
-    best = float("inf")
-    for _ in range(reps):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - start)
-    return 1000 * best
-
-
-def resident_mb():
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-
-
-def in_child(fn):
-    """Run ``fn`` in a forked process and return its result (a dict), or {"error": ...}."""
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        os.close(read)
-        try:
-            result = fn()
-        except Exception as error:  # reported in the table, e.g. out of memory
-            result = {"error": f"{type(error).__name__}: {str(error)[:80]}"}
-        with os.fdopen(write, "w") as out:
-            out.write(repr(result))
-        os._exit(0)
-    os.close(write)
-    with os.fdopen(read) as pipe:
-        text = pipe.read()
-    os.waitpid(pid, 0)
-    return eval(text) if text else {"error": "child died (out of memory?)"}
-
-
-def peak_memory(device, baseline_mb):
-    if device == "cuda":
-        return torch.cuda.max_memory_allocated() / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - baseline_mb
 
 
 def kernel_row(kind, tokens, device, reps):
@@ -104,7 +56,7 @@ def layer_row(encoding, attention, causal, tokens, device, reps):
             layer(x).sum().backward()
 
         train_step()
-        memory = peak_memory(device, baseline)
+        memory = peak_memory_mb(device, baseline)
         with torch.no_grad():
             forward = timed(lambda: layer(x), device, reps)
         return {"forward_ms": forward, "train_ms": timed(train_step, device, reps), "peak_mb": memory}

@@ -70,3 +70,27 @@ def test_shared_spe_codes_need_a_draw():
         layer(torch.randn(1, 4, 16))
     codes = lrpe_hf.build_spe_codes(layer.options, 2, 8)
     assert layer(torch.randn(1, 4, 16), spe_draw=codes.draw()).shape == (1, 4, 16)
+
+
+def test_config_attention_fields_agree_with_attention_options():
+    """The configs expose every option of the layer, with the same defaults (``eps`` is ``attention_eps``)."""
+    from dataclasses import fields
+
+    from lrpe_hf import AttentionOptions, LinearAttentionConfig
+
+    config_defaults = {f.name: f.default for f in fields(LinearAttentionConfig)}
+    model_determined = {"causal", "position_dims", "max_positions", "positional_encoding"}
+    for option in fields(AttentionOptions):
+        if option.name in model_determined:
+            continue
+        name = "attention_eps" if option.name == "eps" else option.name
+        assert config_defaults[name] == option.default, name
+
+
+def test_standalone_layer_redraws_performer_features_in_training():
+    layer = LinearAttention(16, 2, feature_map="performer", performer_redraw=True)
+    x = torch.randn(1, 5, 16)
+    layer.train()
+    assert not torch.allclose(layer(x), layer(x))
+    layer.eval()
+    torch.testing.assert_close(layer(x), layer(x))

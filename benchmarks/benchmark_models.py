@@ -1,0 +1,180 @@
+"""LinearGPT against Transformers' GPT-2 (SDPA) at the same size: training step and generation latency.
+
+Both models: 6 layers x 512, 8 heads, FFN 2048, vocabulary 8192, batch 1, fp32. Measured side by side in
+one run, each configuration in a forked child (peak memory of its own):
+
+- forward+backward of one sequence of N tokens (LM loss): seconds, tokens/s, peak memory;
+- generation: milliseconds per new token after a prompt of C tokens (prefill with the cache, then one token
+  at a time).
+
+Writes ``models.csv``, ``models.md`` and ``models.png`` to ``--out`` and prints the summary of ratios.
+
+    python benchmarks/benchmark_models.py
+    python benchmarks/benchmark_models.py --lengths 512 4096 --contexts 256 4096 --encodings none permute
+"""
+
+import argparse
+import csv
+from pathlib import Path
+
+import torch
+from measure import in_child, peak_memory_mb, resident_mb, timed
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from lrpe_hf import LinearAttentionCache, LinearGPTConfig, LinearGPTForCausalLM
+
+SIZE = dict(layers=6, hidden=512, heads=8, ffn=2048, vocab=8192)
+
+
+def build(name, max_tokens, device):
+    torch.manual_seed(0)
+    if name == "gpt2-sdpa":
+        config = GPT2Config(n_layer=SIZE["layers"], n_embd=SIZE["hidden"], n_head=SIZE["heads"],
+                            n_inner=SIZE["ffn"], vocab_size=SIZE["vocab"], n_positions=max_tokens)
+        return GPT2LMHeadModel(config, attn_implementation="sdpa").to(device)
+    config = LinearGPTConfig(num_hidden_layers=SIZE["layers"], hidden_size=SIZE["hidden"],
+                             num_attention_heads=SIZE["heads"], intermediate_size=SIZE["ffn"],
+                             vocab_size=SIZE["vocab"], max_position_embeddings=max_tokens, positional_encoding=name)
+    return LinearGPTForCausalLM(config).to(device)
+
+
+def train_row(name, tokens, device, reps):
+    def run():
+        baseline = resident_mb()
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        model = build(name, tokens, device).train()
+        ids = torch.randint(0, SIZE["vocab"], (1, tokens), device=device)
+
+        def step():
+            model.zero_grad(set_to_none=True)
+            model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+
+        step()
+        memory = peak_memory_mb(device, baseline)
+        ms = timed(step, device, reps)
+        return {"seconds": ms / 1000, "tokens_per_s": tokens / (ms / 1000), "peak_mb": memory}
+    return in_child(run)
+
+
+def generation_row(name, context, device, new_tokens=16):
+    def run():
+        model = build(name, context + new_tokens + 1, device).eval()
+        ids = torch.randint(0, SIZE["vocab"], (1, context), device=device)
+        with torch.no_grad():
+            cache = LinearAttentionCache(SIZE["layers"]) if name != "gpt2-sdpa" else None
+            out = model(input_ids=ids, past_key_values=cache, use_cache=True)
+            cache = out.past_key_values
+            token = out.logits[:, -1:].argmax(-1)
+
+            def one_token():
+                nonlocal token
+                token = model(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+
+            total = timed(lambda: [one_token() for _ in range(new_tokens)], device, reps=1)
+        return {"ms_per_token": total / new_tokens}
+    return in_child(run)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384, 32768])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[256, 4096, 16384])
+    parser.add_argument("--encodings", nargs="+",
+                        default=["none", "rope", "lrpe_orthogonal", "lrpe_unitary", "permute", "spe_sine", "fastrpb"])
+    parser.add_argument("--gpt2-max", type=int, default=4096,
+                        help="longest GPT-2 input (8192 needs more than 24 GB for its attention weights)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    names = ["gpt2-sdpa"] + args.encodings
+    rows = []
+    for tokens in args.lengths:
+        for name in names:
+            if name == "gpt2-sdpa" and tokens > args.gpt2_max:
+                continue
+            rows.append({"task": "train", "model": name, "tokens": tokens, **train_row(name, tokens, args.device,
+                                                                                           args.reps)})
+            print(rows[-1], flush=True)
+    for context in args.contexts:
+        for name in names:
+            if name == "gpt2-sdpa" and context > args.gpt2_max:
+                continue
+            rows.append({"task": "generate", "model": name, "tokens": context,
+                         **generation_row(name, context, args.device)})
+            print(rows[-1], flush=True)
+    fields = ["task", "model", "tokens", "seconds", "tokens_per_s", "peak_mb", "ms_per_token", "error"]
+    with open(args.out / "models.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows(rows)
+    lines = ["| task | model | tokens | seconds | tokens/s | peak MB | ms/token |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        cells = [r["task"], r["model"], str(r["tokens"])] + [
+            f"{r[k]:.2f}" if isinstance(r.get(k), float) else r.get("error", "") if k == "seconds" else ""
+            for k in ("seconds", "tokens_per_s", "peak_mb", "ms_per_token")]
+        lines.append("| " + " | ".join(cells) + " |")
+    report = lines + [""] + summary(rows, args.encodings)
+    (args.out / "models.md").write_text("\n".join(report) + "\n")
+    plot(rows, args.out)
+    print("\n".join(summary(rows, args.encodings)))
+
+
+def value(rows, task, model, tokens, key):
+    for r in rows:
+        if (r["task"], r["model"], r["tokens"]) == (task, model, tokens) and key in r:
+            return r[key]
+    return None
+
+
+def summary(rows, encodings):
+    lines = ["Summary (ratios from this run):"]
+    gpt2 = value(rows, "train", "gpt2-sdpa", 4096, "seconds")
+    for name in encodings:
+        at4k = value(rows, "train", name, 4096, "seconds")
+        if gpt2 and at4k:
+            lines.append(f"- {name}: train step at 4096 {at4k:.2f} s vs GPT-2 {gpt2:.2f} s, speed-up {gpt2 / at4k:.1f}x")
+        memory = value(rows, "train", name, 8192, "peak_mb")
+        if memory:
+            lines.append(f"- {name}: peak memory of a train step at 8192: {memory / 1024:.2f} GB")
+        small, large = value(rows, "train", name, 512, "tokens_per_s"), value(rows, "train", name, 8192, "tokens_per_s")
+        if small and large:
+            lines.append(f"- {name}: tokens/s at 8192 = {100 * large / small:.0f}% of tokens/s at 512")
+        short, long = value(rows, "generate", name, 256, "ms_per_token"), value(rows, "generate", name, 16384,
+                                                                                   "ms_per_token")
+        if short and long:
+            lines.append(f"- {name}: generation {long:.1f} ms/token at 16k context vs {short:.1f} at 256: "
+                         f"ratio {long / short:.2f}")
+    return lines
+
+
+def plot(rows, out):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(17, 5))
+    for name in dict.fromkeys(r["model"] for r in rows):
+        train = [r for r in rows if r["task"] == "train" and r["model"] == name and "seconds" in r]
+        gen = [r for r in rows if r["task"] == "generate" and r["model"] == name and "ms_per_token" in r]
+        style = "--" if name.startswith("gpt2") else "-"
+        axes[0].plot([r["tokens"] for r in train], [r["seconds"] for r in train], style, marker="o", label=name)
+        axes[1].plot([r["tokens"] for r in train], [r["peak_mb"] for r in train], style, marker="o", label=name)
+        axes[2].plot([r["tokens"] for r in gen], [r["ms_per_token"] for r in gen], style, marker="o", label=name)
+    titles = ["train step (s)", "peak memory of a train step (MB)", "generation latency (ms per new token)"]
+    for ax, title, xlabel in zip(axes, titles, ["tokens", "tokens", "context tokens"]):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(title)
+        ax.set_xlabel(xlabel)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "models.png", dpi=110)
+
+
+if __name__ == "__main__":
+    main()

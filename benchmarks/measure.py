@@ -1,0 +1,55 @@
+"""Timing and peak-memory helpers shared by the benchmark scripts."""
+
+import os
+import resource
+import time
+
+import torch
+
+
+def timed(fn, device, reps):
+    """Best of ``reps`` wall-clock runs after one warm-up, in milliseconds."""
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
+    return 1000 * best
+
+
+def resident_mb():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def peak_memory_mb(device, baseline_mb):
+    """Peak memory since the child started: CUDA's allocator peak, or the growth of resident memory on CPU."""
+    if device == "cuda":
+        return torch.cuda.max_memory_allocated() / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - baseline_mb
+
+
+def in_child(fn):
+    """Run ``fn`` in a forked process (so its peak memory is its own) and return its result dict, or
+    {"error": ...} when it raised or was killed (for example for memory)."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read)
+        try:
+            result = fn()
+        except Exception as error:
+            result = {"error": f"{type(error).__name__}: {str(error)[:80]}"}
+        with os.fdopen(write, "w") as out:
+            out.write(repr(result))
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as pipe:
+        text = pipe.read()
+    os.waitpid(pid, 0)
+    return eval(text) if text else {"error": "child died (out of memory?)"}
