@@ -1,0 +1,45 @@
+# Two commands on a fresh machine: `make demo` (the whole path on embedded data) and `make test`.
+PYTHON_BASE ?= python3
+VENV ?= .venv
+PYTHON := $(VENV)/bin/python
+OUT ?= out/demo
+
+.PHONY: install demo test benchmark clean
+
+$(VENV)/.installed: setup.cfg pyproject.toml
+	$(PYTHON_BASE) -m venv $(VENV)
+	$(PYTHON) -m pip install --quiet --upgrade pip
+	$(PYTHON) -m pip install --quiet torch==2.13.0   # the CPU wheel; keeps pip from pulling a CUDA build
+	$(PYTHON) -m pip install --quiet -e ".[train,test]"
+	touch $@
+
+install: $(VENV)/.installed
+
+# Train a tokenizer -> pretrain LinearRoberta with LRPE on Wikipedia leads -> fine-tune on tweet sentiment.
+# Writes metrics, checkpoints, model cards and loss-curve PNGs under $(OUT). About 6 minutes on 2 CPU cores.
+demo: install
+	$(PYTHON) run_scripts/train_tokenizer.py --train_files data/wikipedia_leads/train.txt --vocab_size 5000 \
+		--output_dir $(OUT)/tokenizer
+	$(PYTHON) run_scripts/run_mlm.py --tokenizer_name $(OUT)/tokenizer \
+		--train_file data/wikipedia_leads/train.txt --validation_file data/wikipedia_leads/validation.txt \
+		--positional_encoding lrpe_orthogonal --hidden_size 256 --num_hidden_layers 4 --num_attention_heads 4 \
+		--intermediate_size 1024 --max_position_embeddings 512 --block_size 128 \
+		--per_device_train_batch_size 16 --max_steps 300 --learning_rate 1e-3 --warmup_steps 30 \
+		--max_eval_samples 200 --logging_steps 20 --save_strategy no --report_to none --seed 0 \
+		--output_dir $(OUT)/mlm
+	$(PYTHON) run_scripts/run_glue.py --model_name_or_path $(OUT)/mlm \
+		--train_file data/tweet_sentiment/train.csv --validation_file data/tweet_sentiment/validation.csv \
+		--max_seq_length 64 --per_device_train_batch_size 32 --num_train_epochs 1 --learning_rate 5e-4 \
+		--warmup_steps 30 --logging_steps 20 --eval_strategy epoch --save_strategy no --report_to none --seed 0 \
+		--output_dir $(OUT)/tweet_sentiment
+	@echo "Results: $(OUT)/mlm/eval_results.json, $(OUT)/tweet_sentiment/eval_results.json; cards: README.md; plots: loss_curves.png"
+
+test: install
+	$(PYTHON) -m pytest -q tests
+
+benchmark: install
+	$(PYTHON) benchmarks/benchmark_attention.py
+	$(PYTHON) benchmarks/benchmark_models.py
+
+clean:
+	rm -rf out benchmarks/results

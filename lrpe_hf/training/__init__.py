@@ -1,0 +1,1 @@
+"""Helpers for the run scripts: command-line model arguments, data loading, metrics, model cards, plots."""

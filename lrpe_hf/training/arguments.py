@@ -1,0 +1,53 @@
+"""Command-line arguments that build a model config, shared by the run scripts (parsed by HfArgumentParser)."""
+
+import json
+from dataclasses import dataclass, field
+
+from ..modeling.attention_options import POSITIONAL_ENCODINGS
+from ..modeling.feature_maps import FEATURE_MAPS
+
+
+@dataclass
+class ModelArguments:
+    """Start from a checkpoint (``model_name_or_path``) or build a new model from a config file and/or fields."""
+
+    model_name_or_path: str | None = field(default=None, metadata={"help": "checkpoint folder or Hub name"})
+    config_file: str | None = field(default=None, metadata={"help": "a config.json to build a new model from"})
+    tokenizer_name: str | None = field(default=None, metadata={"help": "tokenizer folder or Hub name"})
+    positional_encoding: str | None = field(default=None, metadata={"help": f"one of {', '.join(POSITIONAL_ENCODINGS)}"})
+    feature_map: str | None = field(default=None, metadata={"help": f"one of {', '.join(FEATURE_MAPS)}"})
+    absolute_position_embedding: str | None = field(default=None, metadata={"help": "none, sinusoidal or learned"})
+    attention: str | None = field(default=None, metadata={"help": "linear or softmax"})
+    hidden_size: int | None = None
+    num_hidden_layers: int | None = None
+    num_attention_heads: int | None = None
+    intermediate_size: int | None = None
+    max_position_embeddings: int | None = None
+    config_overrides: str | None = field(
+        default=None, metadata={"help": 'JSON of further config fields, e.g. \'{"permute_decay": 0.95}\''})
+    trust_remote_code: bool = False
+
+    def config_fields(self) -> dict:
+        """The config fields given on the command line."""
+        names = ["positional_encoding", "feature_map", "absolute_position_embedding", "attention", "hidden_size",
+                 "num_hidden_layers", "num_attention_heads", "intermediate_size", "max_position_embeddings"]
+        fields_ = {name: getattr(self, name) for name in names if getattr(self, name) is not None}
+        if self.config_overrides:
+            try:
+                fields_.update(json.loads(self.config_overrides))
+            except json.JSONDecodeError as error:
+                raise ValueError(f"--config_overrides must be a JSON object: {error}") from None
+        return fields_
+
+
+def build_config(model_args: ModelArguments, config_class, **task_fields):
+    """A new config from --config_file and the command-line fields (which win), plus the task's fields."""
+    values = {}
+    if model_args.config_file:
+        with open(model_args.config_file) as f:
+            values = json.load(f)
+        values.pop("model_type", None)
+        values.pop("auto_map", None)
+    values.update(model_args.config_fields())
+    values.update(task_fields)
+    return config_class(**values)

@@ -1,0 +1,61 @@
+"""Loading and checking data for the run scripts: local files (text, csv, json, image folders) or Hub data sets.
+
+Every check runs before training starts and stops with a message that says what is wrong.
+"""
+
+from pathlib import Path
+
+from datasets import DatasetDict, load_dataset
+
+EXTENSIONS = {".txt": "text", ".csv": "csv", ".tsv": "csv", ".json": "json", ".jsonl": "json"}
+
+
+def load_files_or_hub(dataset_name=None, dataset_config=None, train_file=None, validation_file=None,
+                      data_dir=None) -> DatasetDict:
+    """A DatasetDict with "train" and, when given, "validation", from local files or a Hub data set."""
+    if dataset_name:
+        return load_dataset(dataset_name, dataset_config)
+    if data_dir:
+        folder = Path(data_dir)
+        if not folder.is_dir():
+            raise FileNotFoundError(f"--data_dir {data_dir} is not a folder")
+        return load_dataset("imagefolder", data_dir=str(folder))
+    if not train_file:
+        raise ValueError("Give --train_file (and --validation_file), --data_dir or --dataset_name")
+    files = {"train": train_file}
+    if validation_file:
+        files["validation"] = validation_file
+    kinds = set()
+    for split, path in files.items():
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"--{split}_file {path} does not exist")
+        suffix = Path(path).suffix.lower()
+        if suffix not in EXTENSIONS:
+            raise ValueError(f"--{split}_file {path}: unsupported extension {suffix!r}; use one of "
+                             f"{', '.join(EXTENSIONS)}")
+        kinds.add(EXTENSIONS[suffix])
+    if len(kinds) > 1:
+        raise ValueError(f"train and validation files must have the same format, got {sorted(kinds)}")
+    kind = kinds.pop()
+    options = {"delimiter": "\t"} if kind == "csv" and Path(train_file).suffix.lower() == ".tsv" else {}
+    try:
+        return load_dataset(kind, data_files=files, **options)
+    except Exception as error:
+        raise ValueError(f"Could not read {', '.join(files.values())} as {kind}: {error}") from None
+
+
+def check_columns(dataset: DatasetDict, columns: list[str]):
+    for split, part in dataset.items():
+        missing = [c for c in columns if c not in part.column_names]
+        if missing:
+            raise ValueError(f"The {split} data has no column {', '.join(map(repr, missing))}; its columns are "
+                             f"{', '.join(part.column_names)}")
+        if len(part) == 0:
+            raise ValueError(f"The {split} data is empty")
+
+
+def check_tokenizer(tokenizer, needed: list[str], purpose: str):
+    missing = [name for name in needed if getattr(tokenizer, name, None) is None]
+    if missing:
+        raise ValueError(f"The tokenizer has no {', '.join(missing)}, which {purpose} needs; train one with "
+                         "run_scripts/train_tokenizer.py or add the special tokens")

@@ -1,0 +1,111 @@
+"""Pretraining pipeline shared by run_mlm.py (LinearRoberta) and run_clm.py (LinearGPT)."""
+
+import math
+from dataclasses import dataclass, field
+from itertools import chain
+
+import transformers
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForMaskedLM,
+    AutoTokenizer,
+    DataCollatorForLanguageModeling,
+    HfArgumentParser,
+    TrainingArguments,
+    set_seed,
+)
+
+from .. import LinearGPTConfig, LinearGPTForCausalLM, LinearRobertaConfig, LinearRobertaForMaskedLM
+from .arguments import ModelArguments, build_config
+from .data import check_columns, check_tokenizer, load_files_or_hub
+from .trainer import CardTrainer, finish
+
+KINDS = {
+    "mlm": dict(config=LinearRobertaConfig, model=LinearRobertaForMaskedLM, auto=AutoModelForMaskedLM,
+                needed=["mask_token", "pad_token"], pipeline_tag="fill-mask", auto_name="AutoModelForMaskedLM",
+                what="pretrained with masked language modelling"),
+    "clm": dict(config=LinearGPTConfig, model=LinearGPTForCausalLM, auto=AutoModelForCausalLM,
+                needed=["eos_token"], pipeline_tag="text-generation", auto_name="AutoModelForCausalLM",
+                what="trained as a causal language model"),
+}
+
+
+@dataclass
+class LanguageModelingDataArguments:
+    train_file: str | None = field(default=None, metadata={"help": "text (one document per line), csv or json"})
+    validation_file: str | None = None
+    dataset_name: str | None = field(default=None, metadata={"help": "a Hub data set (online)"})
+    dataset_config: str | None = None
+    text_column: str = "text"
+    block_size: int = field(default=128, metadata={"help": "tokens per training example"})
+    mlm_probability: float = 0.15
+    max_train_samples: int | None = None
+    max_eval_samples: int | None = None
+
+
+def group_into_blocks(dataset, tokenizer, text_column: str, block_size: int):
+    """Tokenize every document, concatenate them and cut the stream into blocks of ``block_size`` tokens."""
+    def tokenize(batch):
+        return tokenizer(batch[text_column], return_attention_mask=False)
+
+    def group(batch):
+        stream = list(chain.from_iterable(batch["input_ids"]))
+        usable = len(stream) // block_size * block_size
+        return {"input_ids": [stream[i:i + block_size] for i in range(0, usable, block_size)]}
+
+    tokenized = dataset.map(tokenize, batched=True, remove_columns=dataset["train"].column_names,
+                            desc="Tokenizing")
+    return tokenized.map(group, batched=True, batch_size=1000, desc=f"Grouping into blocks of {block_size}")
+
+
+def main(kind: str, args=None):
+    spec = KINDS[kind]
+    parser = HfArgumentParser((ModelArguments, LanguageModelingDataArguments, TrainingArguments))
+    model_args, data_args, training_args = parser.parse_args_into_dataclasses(args=args)
+    transformers.utils.logging.set_verbosity_info() if training_args.should_log else None
+    set_seed(training_args.seed)
+
+    # Everything that can be wrong is checked before any training starts.
+    dataset = load_files_or_hub(data_args.dataset_name, data_args.dataset_config, data_args.train_file,
+                                data_args.validation_file)
+    check_columns(dataset, [data_args.text_column])
+    tokenizer_name = model_args.tokenizer_name or model_args.model_name_or_path
+    if not tokenizer_name:
+        raise ValueError("Give --tokenizer_name (see run_scripts/train_tokenizer.py) or --model_name_or_path")
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_name)
+    check_tokenizer(tokenizer, spec["needed"], "masked language modelling" if kind == "mlm" else "causal LM")
+    if model_args.model_name_or_path:
+        model = spec["auto"].from_pretrained(model_args.model_name_or_path,
+                                             trust_remote_code=model_args.trust_remote_code)
+    else:
+        special = dict(pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                       eos_token_id=tokenizer.eos_token_id)
+        model = spec["model"](build_config(model_args, spec["config"], vocab_size=len(tokenizer), **special))
+    if len(tokenizer) > model.config.vocab_size:
+        model.resize_token_embeddings(len(tokenizer))
+    if kind == "clm" and tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+
+    with training_args.main_process_first(desc="preparing the data"):
+        blocks = group_into_blocks(dataset, tokenizer, data_args.text_column, data_args.block_size)
+    train = blocks["train"]
+    if data_args.max_train_samples:
+        train = train.select(range(min(len(train), data_args.max_train_samples)))
+    evaluation = blocks.get("validation")
+    if evaluation is not None and data_args.max_eval_samples:
+        evaluation = evaluation.select(range(min(len(evaluation), data_args.max_eval_samples)))
+    if len(train) == 0:
+        raise ValueError(f"The training text is shorter than one block of {data_args.block_size} tokens")
+
+    collator = DataCollatorForLanguageModeling(tokenizer, mlm=kind == "mlm", mlm_probability=data_args.mlm_probability)
+    source = data_args.dataset_name or data_args.train_file
+    card = dict(task_description=f"{spec['what']} on {source}", auto_class=spec["auto_name"],
+                datasets=[data_args.dataset_name] if data_args.dataset_name else [],
+                training=f"{training_args.num_train_epochs} epochs, blocks of {data_args.block_size} tokens, "
+                         f"learning rate {training_args.learning_rate}, seed {training_args.seed}.",
+                pipeline_tag=spec["pipeline_tag"])
+    trainer = CardTrainer(model=model, args=training_args, train_dataset=train, eval_dataset=evaluation,
+                          data_collator=collator, processing_class=tokenizer, card=card)
+    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    return finish(trainer, evaluation is not None,
+                  extra_metrics=lambda m: {"eval_perplexity": math.exp(min(m["eval_loss"], 50))})

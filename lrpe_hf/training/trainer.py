@@ -1,0 +1,47 @@
+"""A Trainer whose model card is the lrpe-hf card, and the end-of-run steps every script shares."""
+
+from pathlib import Path
+
+from transformers import Trainer
+
+from .model_card import write_model_card
+from .plots import plot_loss_curves
+
+
+class CardTrainer(Trainer):
+    """``Trainer`` with ``create_model_card`` rendering model_cards/<model_type>.md, so that ``--push_to_hub``
+    uploads the lrpe-hf card (metrics, encoding, usage) along with the weights, code and tokenizer."""
+
+    def __init__(self, *args, card: dict, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.card = card
+        self.card_metrics = {}
+
+    def create_model_card(self, **kwargs):
+        if not self.is_world_process_zero():
+            return
+        model_id = self.hub_model_id if getattr(self, "hub_model_id", None) else \
+            (self.args.hub_model_id or Path(self.args.output_dir).name)
+        write_model_card(self.args.output_dir, self.model, model_id=model_id, metrics=self.card_metrics, **self.card)
+
+
+def finish(trainer: CardTrainer, has_evaluation: bool, extra_metrics=None) -> dict:
+    """Save the model and state, evaluate, write metrics, the loss-curve PNG and the card; push if asked."""
+    trainer.save_model()
+    trainer.save_state()
+    metrics = {}
+    if has_evaluation:
+        metrics = trainer.evaluate()
+        if extra_metrics:
+            metrics.update(extra_metrics(metrics))
+        trainer.log_metrics("eval", metrics)
+        trainer.save_metrics("eval", metrics)
+    trainer.card_metrics = {k: v for k, v in metrics.items() if k.startswith("eval_") and "runtime" not in k
+                            and "per_second" not in k}
+    if trainer.is_world_process_zero():
+        plot_loss_curves(trainer.state.log_history, Path(trainer.args.output_dir) / "loss_curves.png",
+                         title=trainer.model.config.model_type)
+        trainer.create_model_card()
+    if trainer.args.push_to_hub:
+        trainer.push_to_hub()
+    return metrics

@@ -1,0 +1,157 @@
+"""Fine-tune a LinearRoberta (or LinearGPT) checkpoint on a GLUE task or on your own csv/json files.
+
+    # the embedded single-sentence task (3 classes)
+    python run_scripts/run_glue.py --model_name_or_path out/mlm --train_file data/tweet_sentiment/train.csv \
+        --validation_file data/tweet_sentiment/validation.csv --output_dir out/tweets --num_train_epochs 1
+    # the embedded sentence-pair task
+    python run_scripts/run_glue.py --model_name_or_path out/mlm --train_file data/wikipedia_topic_pairs/train.csv \
+        --validation_file data/wikipedia_topic_pairs/validation.csv --output_dir out/pairs
+    # a GLUE task (downloads the data set, so online only); the metric is computed locally
+    python run_scripts/run_glue.py --model_name_or_path out/mlm --task_name mrpc --output_dir out/mrpc
+
+Local files: one text column (``sentence``, ``text``) or two (``sentence1``/``sentence2``, or name them with
+--sentence1_key/--sentence2_key) and a ``label`` column: strings or integers for classification, floats for
+regression.
+"""
+
+from dataclasses import dataclass, field
+
+import numpy as np
+from datasets import DatasetDict
+from transformers import (
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    DataCollatorWithPadding,
+    HfArgumentParser,
+    TrainingArguments,
+    set_seed,
+)
+
+from lrpe_hf import LinearRobertaConfig, LinearRobertaForSequenceClassification
+from lrpe_hf.training.arguments import ModelArguments, build_config
+from lrpe_hf.training.data import check_columns, check_tokenizer, load_files_or_hub
+from lrpe_hf.training.metrics import GLUE_TASKS, load_glue_metric
+from lrpe_hf.training.trainer import CardTrainer, finish
+
+TASK_KEYS = {"cola": ("sentence", None), "sst2": ("sentence", None), "mrpc": ("sentence1", "sentence2"),
+             "qqp": ("question1", "question2"), "stsb": ("sentence1", "sentence2"), "mnli": ("premise", "hypothesis"),
+             "qnli": ("question", "sentence"), "rte": ("sentence1", "sentence2"), "wnli": ("sentence1", "sentence2")}
+
+
+@dataclass
+class GlueDataArguments:
+    task_name: str | None = field(default=None, metadata={"help": f"a GLUE task: {', '.join(GLUE_TASKS)}"})
+    train_file: str | None = None
+    validation_file: str | None = None
+    sentence1_key: str | None = None
+    sentence2_key: str | None = None
+    label_column: str = "label"
+    max_seq_length: int = 128
+    max_train_samples: int | None = None
+    max_eval_samples: int | None = None
+
+
+def text_columns(args: GlueDataArguments, columns: list[str]) -> tuple[str, str | None]:
+    if args.task_name:
+        return TASK_KEYS[args.task_name]
+    if args.sentence1_key:
+        return args.sentence1_key, args.sentence2_key
+    if "sentence1" in columns and "sentence2" in columns:
+        return "sentence1", "sentence2"
+    for name in ("sentence", "text"):
+        if name in columns:
+            return name, None
+    raise ValueError(f"Cannot tell the text columns among {columns}: name them with --sentence1_key "
+                     "(and --sentence2_key for pairs)")
+
+
+def main(args=None):
+    parser = HfArgumentParser((ModelArguments, GlueDataArguments, TrainingArguments))
+    model_args, data_args, training_args = parser.parse_args_into_dataclasses(args=args)
+    set_seed(training_args.seed)
+
+    if data_args.task_name is not None:
+        data_args.task_name = data_args.task_name.lower()
+        if data_args.task_name not in TASK_KEYS:
+            raise ValueError(f"Unknown --task_name {data_args.task_name!r}; GLUE tasks: {', '.join(GLUE_TASKS)}")
+        dataset = load_files_or_hub("nyu-mll/glue", data_args.task_name)
+        if data_args.task_name == "mnli":
+            dataset["validation"] = dataset["validation_matched"]
+        dataset = DatasetDict({split: dataset[split] for split in ("train", "validation")})  # GLUE tests are unlabelled
+    else:
+        dataset = load_files_or_hub(train_file=data_args.train_file, validation_file=data_args.validation_file)
+    key1, key2 = text_columns(data_args, dataset["train"].column_names)
+    check_columns(dataset, [c for c in (key1, key2, data_args.label_column) if c])
+
+    label_feature = dataset["train"].features[data_args.label_column]
+    is_regression = data_args.task_name == "stsb" or label_feature.dtype in ("float32", "float64")
+    if is_regression:
+        label_names, num_labels = None, 1
+    elif hasattr(label_feature, "names"):
+        label_names = label_feature.names
+        num_labels = len(label_names)
+    else:
+        label_names = sorted(set(dataset["train"][data_args.label_column]))
+        num_labels = len(label_names)
+        if num_labels < 2:
+            raise ValueError(f"The label column {data_args.label_column!r} has a single value: nothing to classify")
+
+    tokenizer_name = model_args.tokenizer_name or model_args.model_name_or_path
+    if not tokenizer_name:
+        raise ValueError("Give --model_name_or_path (a pretrained checkpoint) or --tokenizer_name")
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_name)
+    check_tokenizer(tokenizer, ["pad_token"], "batching sentences of different lengths")
+    label_fields = {"num_labels": num_labels}
+    if label_names:
+        label_fields.update(id2label={i: str(n) for i, n in enumerate(label_names)},
+                            label2id={str(n): i for i, n in enumerate(label_names)})
+    if is_regression:
+        label_fields["problem_type"] = "regression"
+    if model_args.model_name_or_path:
+        model = AutoModelForSequenceClassification.from_pretrained(
+            model_args.model_name_or_path, trust_remote_code=model_args.trust_remote_code, **label_fields)
+    else:
+        config = build_config(model_args, LinearRobertaConfig, vocab_size=len(tokenizer),
+                              pad_token_id=tokenizer.pad_token_id, **label_fields)
+        model = LinearRobertaForSequenceClassification(config)
+
+    label_to_id = None if is_regression or hasattr(label_feature, "names") else {n: i for i, n in enumerate(label_names)}
+
+    def preprocess(batch):
+        texts = (batch[key1],) if key2 is None else (batch[key1], batch[key2])
+        encoded = tokenizer(*texts, truncation=True, max_length=data_args.max_seq_length)
+        labels = batch[data_args.label_column]
+        encoded["labels"] = [label_to_id[label] for label in labels] if label_to_id else labels
+        return encoded
+
+    with training_args.main_process_first(desc="tokenizing"):
+        encoded = dataset.map(preprocess, batched=True, remove_columns=dataset["train"].column_names,
+                              desc="Tokenizing")
+    train, evaluation = encoded["train"], encoded.get("validation")
+    if data_args.max_train_samples:
+        train = train.select(range(min(len(train), data_args.max_train_samples)))
+    if evaluation is not None and data_args.max_eval_samples:
+        evaluation = evaluation.select(range(min(len(evaluation), data_args.max_eval_samples)))
+
+    metric = load_glue_metric(data_args.task_name or ("regression" if is_regression else None))
+
+    def compute_metrics(prediction):
+        logits = prediction.predictions
+        predictions = np.squeeze(logits) if is_regression else np.argmax(logits, axis=-1)
+        return metric.compute(predictions=predictions, references=prediction.label_ids)
+
+    source = f"GLUE {data_args.task_name}" if data_args.task_name else data_args.train_file
+    card = dict(task_description=f"fine-tuned for sequence classification on {source}",
+                auto_class="AutoModelForSequenceClassification",
+                datasets=["nyu-mll/glue"] if data_args.task_name else [], pipeline_tag="text-classification",
+                training=f"{training_args.num_train_epochs} epochs at learning rate {training_args.learning_rate}, "
+                         f"sequences of at most {data_args.max_seq_length} tokens, seed {training_args.seed}.")
+    trainer = CardTrainer(model=model, args=training_args, train_dataset=train, eval_dataset=evaluation,
+                          data_collator=DataCollatorWithPadding(tokenizer), processing_class=tokenizer,
+                          compute_metrics=compute_metrics, card=card)
+    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    return finish(trainer, evaluation is not None)
+
+
+if __name__ == "__main__":
+    main()
