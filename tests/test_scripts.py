@@ -201,3 +201,57 @@ def test_accelerate_launch_with_two_processes(workspace):
     state = json.loads((out / "trainer_state.json").read_text())
     assert state["global_step"] == 3
     assert (out / "model.safetensors").exists()
+
+
+class HubStandIn:
+    """What a Hub endpoint does with ``--push_to_hub``: keep the uploaded folder as the repo's main revision,
+    laid out as the Hub cache (models--org--name/refs/main, snapshots/<revision>/), so that a fresh process can
+    download it offline."""
+
+    def __init__(self, cache: Path):
+        self.cache = cache
+
+    def create_repo(self, repo_id, **kwargs):
+        return type("RepoUrl", (), {"repo_id": repo_id})()
+
+    def upload_folder(self, repo_id, folder_path, ignore_patterns=(), **kwargs):
+        revision = "0" * 40
+        repo = self.cache / "hub" / f"models--{repo_id.replace('/', '--')}"
+        snapshot = repo / "snapshots" / revision
+        shutil.copytree(folder_path, snapshot, dirs_exist_ok=True,
+                        ignore=shutil.ignore_patterns(*ignore_patterns))
+        (repo / "refs").mkdir(parents=True, exist_ok=True)
+        (repo / "refs" / "main").write_text(revision)
+        return f"https://hub.invalid/{repo_id}"
+
+
+HUB_LOAD = """
+import sys
+sys.modules["lrpe_hf"] = None  # a user without lrpe-hf installed
+from transformers import pipeline
+classify = pipeline("text-classification", model="org/tweets", trust_remote_code=True)
+print(classify("what a great day")[0]["label"])
+"""
+
+
+def test_push_to_hub_then_load_by_name_in_a_fresh_process(mlm_checkpoint, workspace, monkeypatch):
+    import transformers.trainer
+
+    cache = workspace / "hf_home"
+    monkeypatch.setattr(transformers.trainer, "hf_api", lambda: HubStandIn(cache))
+    run_glue.main(["--model_name_or_path", str(mlm_checkpoint), "--train_file",
+                   str(ROOT / "data/tweet_sentiment/train.csv"), "--validation_file",
+                   str(ROOT / "data/tweet_sentiment/validation.csv"), "--max_train_samples", "32",
+                   "--max_eval_samples", "16", "--max_steps", "2", "--output_dir", str(workspace / "pushed"),
+                   "--push_to_hub", "--hub_model_id", "org/tweets", "--hub_strategy", "end", *QUIET])
+    snapshot = next((cache / "hub" / "models--org--tweets" / "snapshots").iterdir())
+    pushed = {p.name for p in snapshot.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "README.md", "linear_attention.py",
+            "modeling_linear_roberta.py"} <= pushed
+    card = (snapshot / "README.md").read_text()
+    assert "org/tweets" in card and "eval_accuracy" in card
+    env = {"HF_HOME": str(cache), "HF_HUB_OFFLINE": "1", "PATH": os.environ.get("PATH", "")}
+    result = subprocess.run([sys.executable, "-c", HUB_LOAD], capture_output=True, text=True, env=env,
+                            cwd=workspace)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().splitlines()[-1] in ("negative", "neutral", "positive")
