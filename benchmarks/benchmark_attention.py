@@ -71,6 +71,7 @@ def main():
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--softmax-max", type=int, default=16384, help="longest input for softmax attention")
     parser.add_argument("--spe-conv-max", type=int, default=8192, help="longest input for spe_conv (H*N*D*R codes)")
+    parser.add_argument("--modes", nargs="+", default=["causal", "bidirectional"], choices=["causal", "bidirectional"])
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -85,7 +86,7 @@ def main():
             rows.append({"part": "kernel", "name": kind, "mode": "causal", "tokens": tokens, **result})
             print(rows[-1], flush=True)
     variants = [(e, "linear") for e in args.encodings] + [("none", "softmax"), ("rope", "softmax")]
-    for causal in (True, False):
+    for causal in [mode == "causal" for mode in args.modes]:
         for tokens in args.lengths:
             for encoding, attention in variants:
                 if attention == "softmax" and tokens > args.softmax_max:

@@ -29,6 +29,7 @@ def test_public_name_lists():
     (dict(positional_encoding="permute", permute_decay=1.5, causal=True), r"permute_decay must be in \(0, 1\]"),
     (dict(positional_encoding="permute", permute_decay=0.9), "for causal models"),
     (dict(chunk_size=0), "chunk_size must be a positive integer"),
+    (dict(spe_realizations=0, positional_encoding="spe_sine"), "spe_realizations must be a positive integer"),
     (dict(feature_map="dpfp", dpfp_nu=100), "dpfp_nu must be in"),
 ])
 def test_invalid_options(options, message):

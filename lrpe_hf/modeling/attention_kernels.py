@@ -18,15 +18,21 @@ def bidirectional_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Te
     return q @ (k.transpose(-1, -2) @ v)
 
 
-def causal_linear_attention(q, k, v, log_gates=None, initial_state=None, chunk_size: int = 64):
-    """q, k (B, H, N, m); v (B, H, N, dv); log_gates (B, H, N) or None; initial_state (B, H, m, dv) or None.
+def default_chunk_size(num_tokens: int) -> int:
+    """64 up to 8k tokens, 128 beyond: the fastest on a 2-core CPU (fewer chunk states to stream at length)."""
+    return 64 if num_tokens <= 8192 else 128
+
+
+def causal_linear_attention(q, k, v, log_gates=None, initial_state=None, chunk_size: int | None = None):
+    """q, k (B, H, N, m); v (B, H, N, dv); log_gates (B, H, N) or None; initial_state (B, H, m, dv) or None;
+    chunk_size None picks ``default_chunk_size(N)``.
 
     Returns out (B, H, N, dv) and the final state sum_t exp(G_N - G_t) k_t v_t^T (B, H, m, dv), the
     state of a recurrent formulation, so a later call can continue where this one stopped.
     """
     B, H, N, m = q.shape
     dv = v.shape[-1]
-    C = max(1, min(chunk_size, N))
+    C = max(1, min(chunk_size or default_chunk_size(N), N))
     pad = (-N) % C
     if pad:
         q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))

@@ -50,7 +50,7 @@ class AttentionOptions:
     causal: bool = False
     position_dims: int = 1  # 2 for image patches carrying (row, col)
     max_positions: int | None = None  # fastrpb: the longest span of positions (per axis in 2D)
-    chunk_size: int = 64  # causal chunk length
+    chunk_size: int | None = None  # causal chunk length; None: 64 up to 8k tokens, 128 beyond (measured on CPU)
     eps: float = 1e-6  # added to denominators
     relu_eps: float = 1e-3
     dpfp_nu: int = 1
@@ -107,7 +107,9 @@ class AttentionOptions:
                 raise ValueError(f"permute_decay must be in (0, 1], got {self.permute_decay}")
             if self.permute_decay < 1.0 and not self.causal:
                 raise ValueError("permute_decay < 1 is for causal models (PermuteFormer uses r = 1 bidirectionally)")
-        for name in ("chunk_size", "dpfp_nu", "spe_realizations", "spe_sines", "spe_kernel_size"):
+        if self.chunk_size is not None and self.chunk_size < 1:
+            raise ValueError(f"chunk_size must be a positive integer (or None for automatic), got {self.chunk_size}")
+        for name in ("dpfp_nu", "spe_realizations", "spe_sines", "spe_kernel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)}")
         if self.performer_features is not None and self.performer_features < 1:

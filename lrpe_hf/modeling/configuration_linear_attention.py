@@ -27,7 +27,7 @@ class LinearAttentionConfig(PreTrainedConfig):
     feature_map: str | None = None
     attention: str = "linear"
     normalization: str | None = None
-    chunk_size: int = 64
+    chunk_size: int | None = None
     attention_eps: float = 1e-6
     relu_eps: float = 1e-3
     dpfp_nu: int = 1
