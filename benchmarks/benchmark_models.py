@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 from measure import in_child, peak_memory_mb, resident_mb, timed
-from transformers import GPT2Config, GPT2LMHeadModel
+from transformers import AutoModelForCausalLM, GPT2Config
 
 from lrpe_hf import LinearAttentionCache, LinearGPTConfig, LinearGPTForCausalLM
 
@@ -27,15 +27,23 @@ SIZE = dict(layers=6, hidden=512, heads=8, ffn=2048, vocab=8192)
 
 
 def build(name, max_tokens, device):
+    """``gpt2-sdpa``, or a LinearGPT positional encoding; a ``+ckpt`` suffix turns on gradient checkpointing."""
     torch.manual_seed(0)
-    if name == "gpt2-sdpa":
+    encoding, _, checkpointing = name.partition("+")
+    if encoding == "gpt2-sdpa":
         config = GPT2Config(n_layer=SIZE["layers"], n_embd=SIZE["hidden"], n_head=SIZE["heads"],
-                            n_inner=SIZE["ffn"], vocab_size=SIZE["vocab"], n_positions=max_tokens)
-        return GPT2LMHeadModel(config, attn_implementation="sdpa").to(device)
-    config = LinearGPTConfig(num_hidden_layers=SIZE["layers"], hidden_size=SIZE["hidden"],
-                             num_attention_heads=SIZE["heads"], intermediate_size=SIZE["ffn"],
-                             vocab_size=SIZE["vocab"], max_position_embeddings=max_tokens, positional_encoding=name)
-    return LinearGPTForCausalLM(config).to(device)
+                            n_inner=SIZE["ffn"], vocab_size=SIZE["vocab"], n_positions=max_tokens,
+                            bos_token_id=None, eos_token_id=None)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    else:
+        config = LinearGPTConfig(num_hidden_layers=SIZE["layers"], hidden_size=SIZE["hidden"],
+                                 num_attention_heads=SIZE["heads"], intermediate_size=SIZE["ffn"],
+                                 vocab_size=SIZE["vocab"], max_position_embeddings=max_tokens,
+                                 positional_encoding=encoding)
+        model = LinearGPTForCausalLM(config)
+    if checkpointing:
+        model.activation_checkpointing_enable()
+    return model.to(device)
 
 
 def train_row(name, tokens, device, reps):
@@ -59,10 +67,10 @@ def train_row(name, tokens, device, reps):
 
 def generation_row(name, context, device, new_tokens=16):
     def run():
-        model = build(name, context + new_tokens + 1, device).eval()
+        model = build(name, context + 2 * new_tokens + 1, device).eval()  # a warm-up round, then the timed one
         ids = torch.randint(0, SIZE["vocab"], (1, context), device=device)
         with torch.no_grad():
-            cache = LinearAttentionCache(SIZE["layers"]) if name != "gpt2-sdpa" else None
+            cache = LinearAttentionCache(SIZE["layers"]) if not name.startswith("gpt2") else None
             out = model(input_ids=ids, past_key_values=cache, use_cache=True)
             cache = out.past_key_values
             token = out.logits[:, -1:].argmax(-1)
@@ -78,10 +86,11 @@ def generation_row(name, context, device, new_tokens=16):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384, 32768])
-    parser.add_argument("--contexts", type=int, nargs="+", default=[256, 4096, 16384])
-    parser.add_argument("--encodings", nargs="+",
-                        default=["none", "rope", "lrpe_orthogonal", "lrpe_unitary", "permute", "spe_sine", "fastrpb"])
+    parser.add_argument("--lengths", type=int, nargs="*", default=[512, 1024, 2048, 4096, 8192, 16384, 32768])
+    parser.add_argument("--contexts", type=int, nargs="*", default=[256, 4096, 16384])
+    parser.add_argument("--encodings", nargs="+", help="LinearGPT encodings; a +ckpt suffix adds gradient checkpointing",
+                        default=["none", "none+ckpt", "rope", "lrpe_orthogonal", "lrpe_unitary", "permute", "spe_sine",
+                                 "fastrpb"])
     parser.add_argument("--gpt2-max", type=int, default=4096,
                         help="longest GPT-2 input (8192 needs more than 24 GB for its attention weights)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -99,7 +108,7 @@ def main():
                                                                                            args.reps)})
             print(rows[-1], flush=True)
     for context in args.contexts:
-        for name in names:
+        for name in [n for n in names if not n.endswith("+ckpt")]:
             if name == "gpt2-sdpa" and context > args.gpt2_max:
                 continue
             rows.append({"task": "generate", "model": name, "tokens": context,
@@ -166,6 +175,9 @@ def plot(rows, out):
         axes[2].plot([r["tokens"] for r in gen], [r["ms_per_token"] for r in gen], style, marker="o", label=name)
     titles = ["train step (s)", "peak memory of a train step (MB)", "generation latency (ms per new token)"]
     for ax, title, xlabel in zip(axes, titles, ["tokens", "tokens", "context tokens"]):
+        if not ax.has_data():
+            ax.set_title(f"{title}: not measured")
+            continue
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_title(title)
