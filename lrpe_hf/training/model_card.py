@@ -24,7 +24,7 @@ def write_model_card(output_dir, model, *, model_id: str, task_description: str,
     template = Template((Path(template_dir) / f"{config.model_type}.md").read_text())
     options = config.attention_options()
     data = ModelCardData(
-        license=license, library_name="transformers", pipeline_tag=pipeline_tag, datasets=datasets,
+        license=license, library_name="transformers", pipeline_tag=pipeline_tag, datasets=datasets or None,
         metrics=sorted({name.removeprefix("eval_") for name in metrics if not name.endswith(("runtime", "per_second"))}),
         tags=["lrpe-hf", config.model_type, f"positional-encoding-{config.positional_encoding}", "linear-attention"],
     )
