@@ -178,3 +178,17 @@ def test_learned_embedding_refuses_positions_beyond_its_table():
     assert emb(torch.arange(16)[None]).shape == (1, 16, 8)
     with pytest.raises(ValueError, match="0..15"):
         emb(torch.arange(17)[None])
+
+
+def test_rope_rotation_matches_rotary_embedding_torch():
+    """A second implementation: rotary-embedding-torch (interleaved pairs, theta_i = 10000^(-2i/m))."""
+    rotary = pytest.importorskip("rotary_embedding_torch")
+    from lrpe_hf.modeling.positional_rope import RotaryPositionalEncoding
+
+    torch.manual_seed(0)
+    q, k = torch.randn(2, 1, 50, 16), torch.randn(2, 1, 50, 16)
+    positions = torch.arange(50)[None, :, None].expand(2, -1, -1)
+    ours_q, ours_k = RotaryPositionalEncoding(num_heads=1, feature_dim=16).encode_features(q, k, positions)
+    oracle = rotary.RotaryEmbedding(dim=16)
+    torch.testing.assert_close(ours_q, oracle.rotate_queries_or_keys(q), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ours_k, oracle.rotate_queries_or_keys(k), atol=1e-5, rtol=1e-5)
