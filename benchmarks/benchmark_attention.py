@@ -39,6 +39,7 @@ def kernel_row(kind, tokens, device, reps):
                 fq, fk = F.elu(q) + 1, F.elu(k) + 1
                 ms = timed(lambda: causal_linear_attention(fq, fk, v), device, reps)
         return {"forward_ms": ms}
+
     return in_child(run)
 
 
@@ -60,6 +61,7 @@ def layer_row(encoding, attention, causal, tokens, device, reps):
         with torch.no_grad():
             forward = timed(lambda: layer(x), device, reps)
         return {"forward_ms": forward, "train_ms": timed(train_step, device, reps), "peak_mb": memory}
+
     return in_child(run)
 
 
@@ -95,8 +97,15 @@ def main():
                     continue
                 result = layer_row(encoding, attention, causal, tokens, args.device, args.reps)
                 name = encoding if attention == "linear" else f"softmax+{encoding}"
-                rows.append({"part": "layer", "name": name, "mode": "causal" if causal else "bidirectional",
-                             "tokens": tokens, **result})
+                rows.append(
+                    {
+                        "part": "layer",
+                        "name": name,
+                        "mode": "causal" if causal else "bidirectional",
+                        "tokens": tokens,
+                        **result,
+                    }
+                )
                 print(rows[-1], flush=True)
 
     write_tables(rows, args.out)
@@ -110,11 +119,16 @@ def write_tables(rows, out):
         writer = csv.DictWriter(f, fieldnames=fields)
         writer.writeheader()
         writer.writerows(rows)
-    lines = ["| part | name | mode | tokens | forward ms | forward+backward ms | peak MB |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| part | name | mode | tokens | forward ms | forward+backward ms | peak MB |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         cells = [r["part"], r["name"], r["mode"], str(r["tokens"])]
-        cells += [f"{r[k]:.1f}" if isinstance(r.get(k), float) else r.get("error", "") for k in
-                  ("forward_ms", "train_ms", "peak_mb")]
+        cells += [
+            f"{r[k]:.1f}" if isinstance(r.get(k), float) else r.get("error", "")
+            for k in ("forward_ms", "train_ms", "peak_mb")
+        ]
         lines.append("| " + " | ".join(cells) + " |")
     (out / "results.md").write_text("\n".join(lines + [""] + summary(rows)) + "\n")
 
@@ -131,17 +145,25 @@ def summary(rows):
     for tokens in (1024, 4096, 16384):
         sdpa, linear = (lookup(rows, "kernel", k, "causal", tokens, "forward_ms") for k in ("sdpa", "linear"))
         if sdpa and linear:
-            lines.append(f"- causal kernel at {tokens}: SDPA {sdpa:.1f} ms, linear {linear:.1f} ms, speed-up {sdpa / linear:.1f}x")
+            lines.append(
+                f"- causal kernel at {tokens}: SDPA {sdpa:.1f} ms, linear {linear:.1f} ms, "
+                f"speed-up {sdpa / linear:.1f}x"
+            )
     base = lookup(rows, "layer", "none", "causal", 4096, "train_ms")
     if base:
         for name in sorted({r["name"] for r in rows if r["part"] == "layer"}):
             t = lookup(rows, "layer", name, "causal", 4096, "train_ms")
             if t:
-                lines.append(f"- causal forward+backward at 4096, {name}: {t:.0f} ms, overhead over none {100 * (t / base - 1):+.0f}%")
+                lines.append(
+                    f"- causal forward+backward at 4096, {name}: {t:.0f} ms, "
+                    f"overhead over none {100 * (t / base - 1):+.0f}%"
+                )
     for name in sorted({r["name"] for r in rows if r["part"] == "layer"}):
         small, large = (lookup(rows, "layer", name, "causal", n, "peak_mb") for n in (8192, 32768))
         if small and large:
-            lines.append(f"- peak memory {name}: {small:.0f} MB at 8k, {large:.0f} MB at 32k, ratio {large / small:.2f}")
+            lines.append(
+                f"- peak memory {name}: {small:.0f} MB at 8k, {large:.0f} MB at 32k, ratio {large / small:.2f}"
+            )
     return lines
 
 
@@ -159,10 +181,17 @@ def plot(rows, out):
         axes[0].plot([p[0] for p in points], [p[1] for p in points], style, marker="o", label=name)
         axes[1].plot([p[0] for p in points], [p[2] for p in points], style, marker="o", label=name)
     for kind in ("sdpa", "linear"):
-        points = [(r["tokens"], r["forward_ms"]) for r in rows if r["part"] == "kernel" and r["name"] == kind and "forward_ms" in r]
+        points = [
+            (r["tokens"], r["forward_ms"])
+            for r in rows
+            if r["part"] == "kernel" and r["name"] == kind and "forward_ms" in r
+        ]
         axes[2].plot([p[0] for p in points], [p[1] for p in points], marker="o", label=kind)
-    titles = ["causal layer, forward+backward (ms)", "causal layer, peak memory of forward+backward (MB)",
-              "causal kernel alone, forward (ms)"]
+    titles = [
+        "causal layer, forward+backward (ms)",
+        "causal layer, peak memory of forward+backward (MB)",
+        "causal kernel alone, forward (ms)",
+    ]
     for ax, title in zip(axes, titles):
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")

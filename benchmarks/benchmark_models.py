@@ -31,15 +31,27 @@ def build(name, max_tokens, device):
     torch.manual_seed(0)
     encoding, _, checkpointing = name.partition("+")
     if encoding == "gpt2-sdpa":
-        config = GPT2Config(n_layer=SIZE["layers"], n_embd=SIZE["hidden"], n_head=SIZE["heads"],
-                            n_inner=SIZE["ffn"], vocab_size=SIZE["vocab"], n_positions=max_tokens,
-                            bos_token_id=None, eos_token_id=None)
+        config = GPT2Config(
+            n_layer=SIZE["layers"],
+            n_embd=SIZE["hidden"],
+            n_head=SIZE["heads"],
+            n_inner=SIZE["ffn"],
+            vocab_size=SIZE["vocab"],
+            n_positions=max_tokens,
+            bos_token_id=None,
+            eos_token_id=None,
+        )
         model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
     else:
-        config = LinearGPTConfig(num_hidden_layers=SIZE["layers"], hidden_size=SIZE["hidden"],
-                                 num_attention_heads=SIZE["heads"], intermediate_size=SIZE["ffn"],
-                                 vocab_size=SIZE["vocab"], max_position_embeddings=max_tokens,
-                                 positional_encoding=encoding)
+        config = LinearGPTConfig(
+            num_hidden_layers=SIZE["layers"],
+            hidden_size=SIZE["hidden"],
+            num_attention_heads=SIZE["heads"],
+            intermediate_size=SIZE["ffn"],
+            vocab_size=SIZE["vocab"],
+            max_position_embeddings=max_tokens,
+            positional_encoding=encoding,
+        )
         model = LinearGPTForCausalLM(config)
     if checkpointing:
         model.activation_checkpointing_enable()
@@ -62,6 +74,7 @@ def train_row(name, tokens, device, reps):
         memory = peak_memory_mb(device, baseline)
         ms = timed(step, device, reps)
         return {"seconds": ms / 1000, "tokens_per_s": tokens / (ms / 1000), "peak_mb": memory}
+
     return in_child(run)
 
 
@@ -81,6 +94,7 @@ def generation_row(name, context, device, new_tokens=16):
 
             total = timed(lambda: [one_token() for _ in range(new_tokens)], device, reps=1)
         return {"ms_per_token": total / new_tokens}
+
     return in_child(run)
 
 
@@ -88,11 +102,18 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", type=int, nargs="*", default=[512, 1024, 2048, 4096, 8192, 16384, 32768])
     parser.add_argument("--contexts", type=int, nargs="*", default=[256, 4096, 16384])
-    parser.add_argument("--encodings", nargs="+", help="LinearGPT encodings; a +ckpt suffix adds gradient checkpointing",
-                        default=["none", "none+ckpt", "rope", "lrpe_orthogonal", "lrpe_unitary", "permute", "spe_sine",
-                                 "fastrpb"])
-    parser.add_argument("--gpt2-max", type=int, default=4096,
-                        help="longest GPT-2 input (8192 needs more than 24 GB for its attention weights)")
+    parser.add_argument(
+        "--encodings",
+        nargs="+",
+        help="LinearGPT encodings; a +ckpt suffix adds gradient checkpointing",
+        default=["none", "none+ckpt", "rope", "lrpe_orthogonal", "lrpe_unitary", "permute", "spe_sine", "fastrpb"],
+    )
+    parser.add_argument(
+        "--gpt2-max",
+        type=int,
+        default=4096,
+        help="longest GPT-2 input (8192 needs more than 24 GB for its attention weights)",
+    )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
@@ -104,15 +125,17 @@ def main():
         for name in names:
             if name == "gpt2-sdpa" and tokens > args.gpt2_max:
                 continue
-            rows.append({"task": "train", "model": name, "tokens": tokens, **train_row(name, tokens, args.device,
-                                                                                           args.reps)})
+            rows.append(
+                {"task": "train", "model": name, "tokens": tokens, **train_row(name, tokens, args.device, args.reps)}
+            )
             print(rows[-1], flush=True)
     for context in args.contexts:
         for name in [n for n in names if not n.endswith("+ckpt")]:
             if name == "gpt2-sdpa" and context > args.gpt2_max:
                 continue
-            rows.append({"task": "generate", "model": name, "tokens": context,
-                         **generation_row(name, context, args.device)})
+            rows.append(
+                {"task": "generate", "model": name, "tokens": context, **generation_row(name, context, args.device)}
+            )
             print(rows[-1], flush=True)
     fields = ["task", "model", "tokens", "seconds", "tokens_per_s", "peak_mb", "ms_per_token", "error"]
     with open(args.out / "models.csv", "w", newline="") as f:
@@ -123,7 +146,8 @@ def main():
     for r in rows:
         cells = [r["task"], r["model"], str(r["tokens"])] + [
             f"{r[k]:.2f}" if isinstance(r.get(k), float) else r.get("error", "") if k == "seconds" else ""
-            for k in ("seconds", "tokens_per_s", "peak_mb", "ms_per_token")]
+            for k in ("seconds", "tokens_per_s", "peak_mb", "ms_per_token")
+        ]
         lines.append("| " + " | ".join(cells) + " |")
     report = lines + [""] + summary(rows, args.encodings)
     (args.out / "models.md").write_text("\n".join(report) + "\n")
@@ -144,18 +168,24 @@ def summary(rows, encodings):
     for name in encodings:
         at4k = value(rows, "train", name, 4096, "seconds")
         if gpt2 and at4k:
-            lines.append(f"- {name}: train step at 4096 {at4k:.2f} s vs GPT-2 {gpt2:.2f} s, speed-up {gpt2 / at4k:.1f}x")
+            lines.append(
+                f"- {name}: train step at 4096 {at4k:.2f} s vs GPT-2 {gpt2:.2f} s, speed-up {gpt2 / at4k:.1f}x"
+            )
         memory = value(rows, "train", name, 8192, "peak_mb")
         if memory:
             lines.append(f"- {name}: peak memory of a train step at 8192: {memory / 1024:.2f} GB")
         small, large = value(rows, "train", name, 512, "tokens_per_s"), value(rows, "train", name, 8192, "tokens_per_s")
         if small and large:
             lines.append(f"- {name}: tokens/s at 8192 = {100 * large / small:.0f}% of tokens/s at 512")
-        short, long = value(rows, "generate", name, 256, "ms_per_token"), value(rows, "generate", name, 16384,
-                                                                                   "ms_per_token")
+        short, long = (
+            value(rows, "generate", name, 256, "ms_per_token"),
+            value(rows, "generate", name, 16384, "ms_per_token"),
+        )
         if short and long:
-            lines.append(f"- {name}: generation {long:.1f} ms/token at 16k context vs {short:.1f} at 256: "
-                         f"ratio {long / short:.2f}")
+            lines.append(
+                f"- {name}: generation {long:.1f} ms/token at 16k context vs {short:.1f} at 256: "
+                f"ratio {long / short:.2f}"
+            )
     return lines
 
 

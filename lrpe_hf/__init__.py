@@ -6,14 +6,13 @@ from .modeling.attention_options import (
     POSITIONAL_ENCODINGS,
     AttentionOptions,
 )
-from .modeling.feature_maps import FEATURE_MAPS, build_feature_map
-from .modeling.linear_attention import LinearAttention, LinearAttentionState, build_spe_codes
-from .modeling.positional_absolute import LearnedPositionEmbedding, SinusoidalPositionEmbedding
 from .modeling.cache import LinearAttentionCache
 from .modeling.configuration_linear_attention import LinearAttentionConfig
 from .modeling.configuration_linear_gpt import LinearGPTConfig
 from .modeling.configuration_linear_roberta import LinearRobertaConfig
 from .modeling.configuration_linear_vit import LinearViTConfig
+from .modeling.feature_maps import FEATURE_MAPS, build_feature_map
+from .modeling.linear_attention import LinearAttention, LinearAttentionState, build_spe_codes
 from .modeling.modeling_linear_gpt import (
     LinearGPTForCausalLM,
     LinearGPTForSequenceClassification,
@@ -29,6 +28,7 @@ from .modeling.modeling_linear_roberta import (
     LinearRobertaPreTrainedModel,
 )
 from .modeling.modeling_linear_vit import LinearViTForImageClassification, LinearViTModel, LinearViTPreTrainedModel
+from .modeling.positional_absolute import LearnedPositionEmbedding, SinusoidalPositionEmbedding
 from .registration import register_all
 
 register_all()

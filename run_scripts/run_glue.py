@@ -33,9 +33,17 @@ from lrpe_hf.training.data import check_columns, check_tokenizer, load_files_or_
 from lrpe_hf.training.metrics import GLUE_TASKS, load_glue_metric
 from lrpe_hf.training.trainer import CardTrainer, finish
 
-TASK_KEYS = {"cola": ("sentence", None), "sst2": ("sentence", None), "mrpc": ("sentence1", "sentence2"),
-             "qqp": ("question1", "question2"), "stsb": ("sentence1", "sentence2"), "mnli": ("premise", "hypothesis"),
-             "qnli": ("question", "sentence"), "rte": ("sentence1", "sentence2"), "wnli": ("sentence1", "sentence2")}
+TASK_KEYS = {
+    "cola": ("sentence", None),
+    "sst2": ("sentence", None),
+    "mrpc": ("sentence1", "sentence2"),
+    "qqp": ("question1", "question2"),
+    "stsb": ("sentence1", "sentence2"),
+    "mnli": ("premise", "hypothesis"),
+    "qnli": ("question", "sentence"),
+    "rte": ("sentence1", "sentence2"),
+    "wnli": ("sentence1", "sentence2"),
+}
 
 
 @dataclass
@@ -61,8 +69,9 @@ def text_columns(args: GlueDataArguments, columns: list[str]) -> tuple[str, str 
     for name in ("sentence", "text"):
         if name in columns:
             return name, None
-    raise ValueError(f"Cannot tell the text columns among {columns}: name them with --sentence1_key "
-                     "(and --sentence2_key for pairs)")
+    raise ValueError(
+        f"Cannot tell the text columns among {columns}: name them with --sentence1_key (and --sentence2_key for pairs)"
+    )
 
 
 def main(args=None):
@@ -103,19 +112,29 @@ def main(args=None):
     check_tokenizer(tokenizer, ["pad_token"], "batching sentences of different lengths")
     label_fields = {"num_labels": num_labels}
     if label_names:
-        label_fields.update(id2label={i: str(n) for i, n in enumerate(label_names)},
-                            label2id={str(n): i for i, n in enumerate(label_names)})
+        label_fields.update(
+            id2label={i: str(n) for i, n in enumerate(label_names)},
+            label2id={str(n): i for i, n in enumerate(label_names)},
+        )
     if is_regression:
         label_fields["problem_type"] = "regression"
     if model_args.model_name_or_path:
         model = AutoModelForSequenceClassification.from_pretrained(
-            model_args.model_name_or_path, trust_remote_code=model_args.trust_remote_code, **label_fields)
+            model_args.model_name_or_path, trust_remote_code=model_args.trust_remote_code, **label_fields
+        )
     else:
-        config = build_config(model_args, LinearRobertaConfig, vocab_size=len(tokenizer),
-                              pad_token_id=tokenizer.pad_token_id, **label_fields)
+        config = build_config(
+            model_args,
+            LinearRobertaConfig,
+            vocab_size=len(tokenizer),
+            pad_token_id=tokenizer.pad_token_id,
+            **label_fields,
+        )
         model = LinearRobertaForSequenceClassification(config)
 
-    label_to_id = None if is_regression or hasattr(label_feature, "names") else {n: i for i, n in enumerate(label_names)}
+    label_to_id = (
+        None if is_regression or hasattr(label_feature, "names") else {n: i for i, n in enumerate(label_names)}
+    )
 
     def preprocess(batch):
         texts = (batch[key1],) if key2 is None else (batch[key1], batch[key2])
@@ -125,8 +144,7 @@ def main(args=None):
         return encoded
 
     with training_args.main_process_first(desc="tokenizing"):
-        encoded = dataset.map(preprocess, batched=True, remove_columns=dataset["train"].column_names,
-                              desc="Tokenizing")
+        encoded = dataset.map(preprocess, batched=True, remove_columns=dataset["train"].column_names, desc="Tokenizing")
     train, evaluation = encoded["train"], encoded.get("validation")
     if data_args.max_train_samples:
         train = train.select(range(min(len(train), data_args.max_train_samples)))
@@ -141,14 +159,24 @@ def main(args=None):
         return metric.compute(predictions=predictions, references=prediction.label_ids)
 
     source = f"GLUE {data_args.task_name}" if data_args.task_name else data_args.train_file
-    card = dict(task_description=f"fine-tuned for sequence classification on {source}",
-                auto_class="AutoModelForSequenceClassification",
-                datasets=["nyu-mll/glue"] if data_args.task_name else [], pipeline_tag="text-classification",
-                training=f"{training_args.num_train_epochs} epochs at learning rate {training_args.learning_rate}, "
-                         f"sequences of at most {data_args.max_seq_length} tokens, seed {training_args.seed}.")
-    trainer = CardTrainer(model=model, args=training_args, train_dataset=train, eval_dataset=evaluation,
-                          data_collator=DataCollatorWithPadding(tokenizer), processing_class=tokenizer,
-                          compute_metrics=compute_metrics, card=card)
+    card = dict(
+        task_description=f"fine-tuned for sequence classification on {source}",
+        auto_class="AutoModelForSequenceClassification",
+        datasets=["nyu-mll/glue"] if data_args.task_name else [],
+        pipeline_tag="text-classification",
+        training=f"{training_args.num_train_epochs} epochs at learning rate {training_args.learning_rate}, "
+        f"sequences of at most {data_args.max_seq_length} tokens, seed {training_args.seed}.",
+    )
+    trainer = CardTrainer(
+        model=model,
+        args=training_args,
+        train_dataset=train,
+        eval_dataset=evaluation,
+        data_collator=DataCollatorWithPadding(tokenizer),
+        processing_class=tokenizer,
+        compute_metrics=compute_metrics,
+        card=card,
+    )
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     return finish(trainer, evaluation is not None)
 

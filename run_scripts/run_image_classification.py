@@ -56,23 +56,38 @@ def main(args=None):
         dataset["train"], dataset["validation"] = split["train"], split["test"]
     label_feature = dataset["train"].features[data_args.label_column]
     if not hasattr(label_feature, "names"):
-        raise ValueError(f"The label column {data_args.label_column!r} must hold class labels (an imagefolder's "
-                         "sub-folder names, or a ClassLabel feature)")
+        raise ValueError(
+            f"The label column {data_args.label_column!r} must hold class labels (an imagefolder's "
+            "sub-folder names, or a ClassLabel feature)"
+        )
     labels = label_feature.names
-    label_fields = dict(num_labels=len(labels), id2label=dict(enumerate(labels)),
-                        label2id={name: i for i, name in enumerate(labels)})
+    label_fields = dict(
+        num_labels=len(labels), id2label=dict(enumerate(labels)), label2id={name: i for i, name in enumerate(labels)}
+    )
 
     if model_args.model_name_or_path:
         model = AutoModelForImageClassification.from_pretrained(
-            model_args.model_name_or_path, trust_remote_code=model_args.trust_remote_code,
-            ignore_mismatched_sizes=True, **label_fields)
+            model_args.model_name_or_path,
+            trust_remote_code=model_args.trust_remote_code,
+            ignore_mismatched_sizes=True,
+            **label_fields,
+        )
         processor = AutoImageProcessor.from_pretrained(model_args.model_name_or_path)
     else:
-        config = build_config(model_args, LinearViTConfig, image_size=data_args.image_size,
-                              patch_size=data_args.patch_size, num_channels=data_args.num_channels, **label_fields)
+        config = build_config(
+            model_args,
+            LinearViTConfig,
+            image_size=data_args.image_size,
+            patch_size=data_args.patch_size,
+            num_channels=data_args.num_channels,
+            **label_fields,
+        )
         model = LinearViTForImageClassification(config)
-        processor = ViTImageProcessor(size={"height": config.image_size, "width": config.image_size},
-                                      image_mean=[0.5] * config.num_channels, image_std=[0.5] * config.num_channels)
+        processor = ViTImageProcessor(
+            size={"height": config.image_size, "width": config.image_size},
+            image_mean=[0.5] * config.num_channels,
+            image_std=[0.5] * config.num_channels,
+        )
     mode = "RGB" if model.config.num_channels == 3 else "L"
 
     def transform(batch):
@@ -89,8 +104,10 @@ def main(args=None):
     evaluation = evaluation.with_transform(transform) if evaluation is not None else None
 
     def collate(examples):
-        return {"pixel_values": torch.stack([e["pixel_values"] for e in examples]),
-                "labels": torch.tensor([e["labels"] for e in examples])}
+        return {
+            "pixel_values": torch.stack([e["pixel_values"] for e in examples]),
+            "labels": torch.tensor([e["labels"] for e in examples]),
+        }
 
     metric = load_glue_metric(None)
 
@@ -98,14 +115,24 @@ def main(args=None):
         return metric.compute(predictions=np.argmax(prediction.predictions, axis=-1), references=prediction.label_ids)
 
     source = data_args.dataset_name or data_args.data_dir
-    card = dict(task_description=f"trained for image classification on {source}",
-                auto_class="AutoModelForImageClassification", pipeline_tag="image-classification",
-                datasets=[data_args.dataset_name] if data_args.dataset_name else [],
-                training=f"{training_args.num_train_epochs} epochs at learning rate {training_args.learning_rate}, "
-                         f"seed {training_args.seed}; top-1 accuracy on the validation split.")
-    trainer = CardTrainer(model=model, args=training_args, train_dataset=train, eval_dataset=evaluation,
-                          data_collator=collate, processing_class=processor, compute_metrics=compute_metrics,
-                          card=card)
+    card = dict(
+        task_description=f"trained for image classification on {source}",
+        auto_class="AutoModelForImageClassification",
+        pipeline_tag="image-classification",
+        datasets=[data_args.dataset_name] if data_args.dataset_name else [],
+        training=f"{training_args.num_train_epochs} epochs at learning rate {training_args.learning_rate}, "
+        f"seed {training_args.seed}; top-1 accuracy on the validation split.",
+    )
+    trainer = CardTrainer(
+        model=model,
+        args=training_args,
+        train_dataset=train,
+        eval_dataset=evaluation,
+        data_collator=collate,
+        processing_class=processor,
+        compute_metrics=compute_metrics,
+        card=card,
+    )
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     return finish(trainer, evaluation is not None)
 

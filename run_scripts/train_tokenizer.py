@@ -14,8 +14,15 @@ from datasets import load_dataset
 from tokenizers import ByteLevelBPETokenizer, processors
 from transformers import HfArgumentParser, PreTrainedTokenizerFast
 
-SPECIAL_TOKENS = {"bos_token": "<s>", "pad_token": "<pad>", "eos_token": "</s>", "unk_token": "<unk>",
-                  "mask_token": "<mask>", "cls_token": "<s>", "sep_token": "</s>"}
+SPECIAL_TOKENS = {
+    "bos_token": "<s>",
+    "pad_token": "<pad>",
+    "eos_token": "</s>",
+    "unk_token": "<unk>",
+    "mask_token": "<mask>",
+    "cls_token": "<s>",
+    "sep_token": "</s>",
+}
 
 
 @dataclass
@@ -36,7 +43,7 @@ def text_iterator(args: TokenizerArguments):
         if args.text_column not in dataset.column_names:
             raise ValueError(f"The data set has no column {args.text_column!r}; columns: {dataset.column_names}")
         for start in range(0, len(dataset), 1000):
-            yield dataset[start:start + 1000][args.text_column]
+            yield dataset[start : start + 1000][args.text_column]
         return
     if not args.train_files:
         raise ValueError("Give --train_files or --dataset_name")
@@ -47,7 +54,7 @@ def text_iterator(args: TokenizerArguments):
         with open(path, encoding="utf-8") as f:
             lines = [line for line in f if line.strip()]
         for start in range(0, len(lines), 1000):
-            yield lines[start:start + 1000]
+            yield lines[start : start + 1000]
 
 
 def train_tokenizer(args: TokenizerArguments) -> PreTrainedTokenizerFast:
@@ -55,12 +62,15 @@ def train_tokenizer(args: TokenizerArguments) -> PreTrainedTokenizerFast:
         raise ValueError(f"--vocab_size must be at least 300 (256 bytes plus special tokens), got {args.vocab_size}")
     bpe = ByteLevelBPETokenizer()
     specials = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]
-    bpe.train_from_iterator(text_iterator(args), vocab_size=args.vocab_size, min_frequency=args.min_frequency,
-                            special_tokens=specials)
-    bpe.post_processor = processors.RobertaProcessing(("</s>", bpe.token_to_id("</s>")),
-                                                      ("<s>", bpe.token_to_id("<s>")))
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, model_max_length=args.model_max_length,
-                                        **SPECIAL_TOKENS)
+    bpe.train_from_iterator(
+        text_iterator(args), vocab_size=args.vocab_size, min_frequency=args.min_frequency, special_tokens=specials
+    )
+    bpe.post_processor = processors.RobertaProcessing(
+        ("</s>", bpe.token_to_id("</s>")), ("<s>", bpe.token_to_id("<s>"))
+    )
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=bpe._tokenizer, model_max_length=args.model_max_length, **SPECIAL_TOKENS
+    )
     tokenizer.save_pretrained(args.output_dir)
     return tokenizer
 

@@ -107,10 +107,15 @@ def position_matrix(layer, head, position, m):
         return torch.eye(m, dtype=torch.complex128)
     if name in ("rope", "lrpe_orthogonal"):
         pairs = m // 2
-        freqs = (rope_pair_frequencies(pairs, o.rope_base, dims) if name == "rope"
-                 else pe.rotation.frequencies[head].detach().double())
-        coords = torch.tensor([position[0]] * axis_split(pairs, dims)[0] + ([position[1]] * (pairs // 2) if dims == 2 else []),
-                              dtype=torch.float64)
+        freqs = (
+            rope_pair_frequencies(pairs, o.rope_base, dims)
+            if name == "rope"
+            else pe.rotation.frequencies[head].detach().double()
+        )
+        coords = torch.tensor(
+            [position[0]] * axis_split(pairs, dims)[0] + ([position[1]] * (pairs // 2) if dims == 2 else []),
+            dtype=torch.float64,
+        )
         rot = pad_identity(rotation(coords * freqs), m)
         p = p_matrix(pe, head, m) if name == "lrpe_orthogonal" else torch.eye(m, dtype=torch.float64)
         return (rot @ p).to(torch.complex128)
@@ -150,7 +155,9 @@ def spe_codes(layer, draw, positions, head, is_query):
                     if is_query:
                         phase += float(codes.phases[head, d, k].detach())
                     lam = float(codes.amplitudes[head, d, k].detach())
-                    out[n, d] += lam * (math.cos(phase) * noise[d, 0, k] + math.sin(phase) * noise[d, 1, k]) / math.sqrt(K)
+                    out[n, d] += (
+                        lam * (math.cos(phase) * noise[d, 0, k] + math.sin(phase) * noise[d, 1, k]) / math.sqrt(K)
+                    )
     else:
         L, A = codes.kernel_size, codes.position_dims
         filt = (codes.query_filters if is_query else codes.key_filters)[head].double()
@@ -225,7 +232,7 @@ def reference_attention(layer, x, mask=None, positions=None, spe_draw=None):
                     logits = torch.where(allowed.any(-1, keepdim=True), logits, torch.zeros_like(logits))
                 oh = torch.softmax(logits, dim=-1) @ vh
             else:
-                weights = torch.where(allowed, scores * r ** lag, torch.zeros_like(scores))
+                weights = torch.where(allowed, scores * r**lag, torch.zeros_like(scores))
                 oh = weights @ vh
                 if o.normalization == "denominator":
                     oh = oh / (weights.sum(-1, keepdim=True) + o.eps)

@@ -2,14 +2,21 @@
 
 import pytest
 import torch
-
 from conftest import make_layer
-from lrpe_hf import POSITIONAL_ENCODINGS
 from reference import reference_attention
 
+from lrpe_hf import POSITIONAL_ENCODINGS
+
 SECOND_FEATURE_MAP = {  # every encoding runs with elu and one more map; together they cover all five maps
-    "none": "exp", "rope": "performer", "lrpe_unitary": "relu", "lrpe_orthogonal": "exp",
-    "lrpe_permutation": "dpfp", "permute": "relu", "spe_sine": "exp", "spe_conv": "performer", "fastrpb": "exp",
+    "none": "exp",
+    "rope": "performer",
+    "lrpe_unitary": "relu",
+    "lrpe_orthogonal": "exp",
+    "lrpe_permutation": "dpfp",
+    "permute": "relu",
+    "spe_sine": "exp",
+    "spe_conv": "performer",
+    "fastrpb": "exp",
 }
 
 
@@ -48,10 +55,17 @@ def test_softmax_baseline_matches_quadratic_formula(encoding, causal):
     check(layer, *padded_inputs(causal))
 
 
-@pytest.mark.parametrize("encoding,normalization", [
-    ("rope", "output_norm"), ("lrpe_orthogonal", "unrotated_denominator"), ("lrpe_unitary", "unrotated_denominator"),
-    ("lrpe_permutation", "unrotated_denominator"), ("permute", "output_norm"), ("none", "output_norm"),
-])
+@pytest.mark.parametrize(
+    "encoding,normalization",
+    [
+        ("rope", "output_norm"),
+        ("lrpe_orthogonal", "unrotated_denominator"),
+        ("lrpe_unitary", "unrotated_denominator"),
+        ("lrpe_permutation", "unrotated_denominator"),
+        ("permute", "output_norm"),
+        ("none", "output_norm"),
+    ],
+)
 @pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
 def test_other_normalizations(encoding, normalization, causal):
     layer = make_layer(encoding, normalization=normalization, causal=causal, chunk_size=3)
@@ -66,16 +80,29 @@ def test_lrpe_p_matrices(encoding, p_matrix):
 
 
 @pytest.mark.parametrize("chunk_size", [1, 3, 4, 11, 64])
-@pytest.mark.parametrize("encoding,feature_map", [("none", "elu"), ("permute", "relu"), ("rope", "exp"),
-                                                  ("lrpe_unitary", "elu")])
+@pytest.mark.parametrize(
+    "encoding,feature_map", [("none", "elu"), ("permute", "relu"), ("rope", "exp"), ("lrpe_unitary", "elu")]
+)
 def test_chunk_sizes_that_do_and_do_not_divide_the_length(encoding, feature_map, chunk_size):
     layer = make_layer(encoding, feature_map=feature_map, causal=True, chunk_size=chunk_size)
     check(layer, *padded_inputs(True))
 
 
 @pytest.mark.parametrize("attention", ["linear", "softmax"])
-@pytest.mark.parametrize("encoding", ["none", "rope", "lrpe_unitary", "lrpe_orthogonal", "lrpe_permutation",
-                                      "permute", "spe_sine", "spe_conv", "fastrpb"])
+@pytest.mark.parametrize(
+    "encoding",
+    [
+        "none",
+        "rope",
+        "lrpe_unitary",
+        "lrpe_orthogonal",
+        "lrpe_permutation",
+        "permute",
+        "spe_sine",
+        "spe_conv",
+        "fastrpb",
+    ],
+)
 def test_2d_encodings_match_quadratic_formula(encoding, attention):
     layer = make_layer(encoding, position_dims=2, attention=attention, max_positions=8)
     g = torch.Generator().manual_seed(3)

@@ -67,7 +67,11 @@ def spe_monte_carlo_error(codes, realizations, draws=200):
     with torch.no_grad():
         for _ in range(draws):
             draw = codes.draw()
-            total = total + codes.encode(q, positions, draw, None, True)[0, 0] @ codes.encode(k, positions, draw, None, False)[0, 0].T
+            total = (
+                total
+                + codes.encode(q, positions, draw, None, True)[0, 0]
+                @ codes.encode(k, positions, draw, None, False)[0, 0].T
+            )
     estimate = total / draws
     lags = (positions[0, :, None, :] - positions[0, None, :, :]).reshape(-1, 1)  # m - n for every pair
     with torch.no_grad():
@@ -112,7 +116,9 @@ def test_conv_spe_codes_depend_on_position_not_on_the_batch_window():
     codes = ConvSPECodes(num_heads=1, head_dim=4, num_realizations=8, kernel_size=5).eval()
     q = torch.randn(1, 1, 1, 4)
     alone = codes.encode(q, torch.tensor([[[300]]]), codes.draw(), None, True)
-    window = codes.encode(q.expand(1, 1, 400, 4).contiguous(), torch.arange(400)[None, :, None], codes.draw(), None, True)
+    window = codes.encode(
+        q.expand(1, 1, 400, 4).contiguous(), torch.arange(400)[None, :, None], codes.draw(), None, True
+    )
     torch.testing.assert_close(window[:, :, 300:301], alone)
 
 

@@ -8,30 +8,42 @@ from lrpe_hf import LinearAttention, LinearAttentionState
 
 
 def test_public_name_lists():
-    assert lrpe_hf.POSITIONAL_ENCODINGS == ("none", "rope", "lrpe_unitary", "lrpe_orthogonal", "lrpe_permutation",
-                                            "permute", "spe_sine", "spe_conv", "fastrpb")
+    assert lrpe_hf.POSITIONAL_ENCODINGS == (
+        "none",
+        "rope",
+        "lrpe_unitary",
+        "lrpe_orthogonal",
+        "lrpe_permutation",
+        "permute",
+        "spe_sine",
+        "spe_conv",
+        "fastrpb",
+    )
     assert lrpe_hf.FEATURE_MAPS == ("elu", "relu", "exp", "dpfp", "performer")
 
 
-@pytest.mark.parametrize("options,message", [
-    (dict(positional_encoding="alibi"), "valid values: none, rope, lrpe_unitary"),
-    (dict(feature_map="tanh"), "valid values: elu, relu, exp, dpfp, performer"),
-    (dict(attention="flash"), "valid values: linear, softmax"),
-    (dict(normalization="l2"), "valid values: denominator, unrotated_denominator, output_norm"),
-    (dict(lrpe_p_matrix="fourier", positional_encoding="lrpe_unitary"), "valid values: householder, identity"),
-    (dict(positional_encoding="rope", normalization="denominator"), "can be negative"),
-    (dict(positional_encoding="permute", normalization="unrotated_denominator"), "meant for rope"),
-    (dict(attention="softmax", feature_map="elu"), "linear attention only"),
-    (dict(attention="softmax", normalization="output_norm"), "linear attention only"),
-    (dict(position_dims=3), "position_dims must be 1"),
-    (dict(position_dims=2, causal=True), "no causal order"),
-    (dict(positional_encoding="fastrpb"), "needs max_positions"),
-    (dict(positional_encoding="permute", permute_decay=1.5, causal=True), r"permute_decay must be in \(0, 1\]"),
-    (dict(positional_encoding="permute", permute_decay=0.9), "for causal models"),
-    (dict(chunk_size=0), "chunk_size must be a positive integer"),
-    (dict(spe_realizations=0, positional_encoding="spe_sine"), "spe_realizations must be a positive integer"),
-    (dict(feature_map="dpfp", dpfp_nu=100), "dpfp_nu must be in"),
-])
+@pytest.mark.parametrize(
+    "options,message",
+    [
+        (dict(positional_encoding="alibi"), "valid values: none, rope, lrpe_unitary"),
+        (dict(feature_map="tanh"), "valid values: elu, relu, exp, dpfp, performer"),
+        (dict(attention="flash"), "valid values: linear, softmax"),
+        (dict(normalization="l2"), "valid values: denominator, unrotated_denominator, output_norm"),
+        (dict(lrpe_p_matrix="fourier", positional_encoding="lrpe_unitary"), "valid values: householder, identity"),
+        (dict(positional_encoding="rope", normalization="denominator"), "can be negative"),
+        (dict(positional_encoding="permute", normalization="unrotated_denominator"), "meant for rope"),
+        (dict(attention="softmax", feature_map="elu"), "linear attention only"),
+        (dict(attention="softmax", normalization="output_norm"), "linear attention only"),
+        (dict(position_dims=3), "position_dims must be 1"),
+        (dict(position_dims=2, causal=True), "no causal order"),
+        (dict(positional_encoding="fastrpb"), "needs max_positions"),
+        (dict(positional_encoding="permute", permute_decay=1.5, causal=True), r"permute_decay must be in \(0, 1\]"),
+        (dict(positional_encoding="permute", permute_decay=0.9), "for causal models"),
+        (dict(chunk_size=0), "chunk_size must be a positive integer"),
+        (dict(spe_realizations=0, positional_encoding="spe_sine"), "spe_realizations must be a positive integer"),
+        (dict(feature_map="dpfp", dpfp_nu=100), "dpfp_nu must be in"),
+    ],
+)
 def test_invalid_options(options, message):
     with pytest.raises(ValueError, match=message):
         LinearAttention(16, 2, **options)

@@ -6,9 +6,18 @@ import torch
 import lrpe_hf
 from lrpe_hf import LinearAttentionCache, LinearGPTConfig, LinearGPTForCausalLM
 
-CONFIG = dict(vocab_size=60, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-              max_position_embeddings=128, pad_token_id=0, eos_token_id=None, hidden_dropout_prob=0.0,
-              spe_realizations=8)
+CONFIG = dict(
+    vocab_size=60,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    intermediate_size=64,
+    max_position_embeddings=128,
+    pad_token_id=0,
+    eos_token_id=None,
+    hidden_dropout_prob=0.0,
+    spe_realizations=8,
+)
 
 
 def model_with(encoding="lrpe_orthogonal", **kw):
@@ -31,7 +40,7 @@ def test_incremental_decoding_equals_full_forward(encoding, attention):
         cache = LinearAttentionCache(model.config.num_hidden_layers)
         pieces = [model(ids[:, :5], past_key_values=cache, use_cache=True).logits]
         for t in range(5, 12):
-            pieces.append(model(ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits)
+            pieces.append(model(ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits)
     torch.testing.assert_close(torch.cat(pieces, dim=1), full, atol=1e-5, rtol=1e-4)
     assert cache.get_seq_length() == 12
 
@@ -65,21 +74,29 @@ def test_sampling_and_beam_search():
     assert beams.shape == (4, 12)
     # beam search over a batch equals beam search over each prompt alone
     for row in range(2):
-        alone = model.generate(ids[row:row + 1], max_new_tokens=5, num_beams=3, do_sample=False,
-                               num_return_sequences=2)
-        assert beams[2 * row:2 * row + 2].tolist() == alone.tolist()
+        alone = model.generate(
+            ids[row : row + 1], max_new_tokens=5, num_beams=3, do_sample=False, num_return_sequences=2
+        )
+        assert beams[2 * row : 2 * row + 2].tolist() == alone.tolist()
 
 
 def test_beam_search_scores_match_a_full_forward():
     """The best beam's score is the log-probability of its tokens under a full (non-cached) forward."""
     model = model_with("lrpe_orthogonal")
     ids = prompt(batch=1)
-    out = model.generate(ids, max_new_tokens=4, num_beams=3, do_sample=False, output_scores=True,
-                         return_dict_in_generate=True, length_penalty=0.0)
+    out = model.generate(
+        ids,
+        max_new_tokens=4,
+        num_beams=3,
+        do_sample=False,
+        output_scores=True,
+        return_dict_in_generate=True,
+        length_penalty=0.0,
+    )
     sequence = out.sequences[0:1]
     with torch.no_grad():
         logprobs = model(sequence, use_cache=False).logits.log_softmax(-1)
-    new = sequence[0, ids.shape[1]:]
+    new = sequence[0, ids.shape[1] :]
     expected = sum(logprobs[0, ids.shape[1] - 1 + i, token] for i, token in enumerate(new.tolist()))
     torch.testing.assert_close(out.sequences_scores[0], expected, atol=1e-4, rtol=1e-4)
 
@@ -102,5 +119,6 @@ def test_unsupported_generation_modes_raise():
     with pytest.raises(Exception, match="cannot be cropped|not supported"):
         model.generate(prompt(batch=1), max_new_tokens=5, prompt_lookup_num_tokens=2, do_sample=False)
     from transformers import DynamicCache
+
     with pytest.raises(ValueError, match="LinearAttentionCache"):
         model(prompt(), past_key_values=DynamicCache(), use_cache=True)

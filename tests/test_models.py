@@ -41,8 +41,9 @@ def roberta_config(**kw):
 
 
 def gpt_config(**kw):
-    return LinearGPTConfig(**{**TINY, "vocab_size": 60, "max_position_embeddings": 64, "pad_token_id": 0,
-                              "hidden_dropout_prob": 0.0, **kw})
+    return LinearGPTConfig(
+        **{**TINY, "vocab_size": 60, "max_position_embeddings": 64, "pad_token_id": 0, "hidden_dropout_prob": 0.0, **kw}
+    )
 
 
 def vit_config(**kw):
@@ -60,8 +61,12 @@ def images(batch=2, size=32, seed=0):
 FAMILIES = {
     "roberta": (roberta_config, LinearRobertaForMaskedLM, AutoModelForMaskedLM, lambda: {"input_ids": text_batch()}),
     "gpt": (gpt_config, LinearGPTForCausalLM, AutoModelForCausalLM, lambda: {"input_ids": text_batch()}),
-    "vit": (vit_config, LinearViTForImageClassification, AutoModelForImageClassification,
-            lambda: {"pixel_values": images()}),
+    "vit": (
+        vit_config,
+        LinearViTForImageClassification,
+        AutoModelForImageClassification,
+        lambda: {"pixel_values": images()},
+    ),
 }
 
 
@@ -145,8 +150,9 @@ def test_losses_match_their_definitions():
     single = LinearRobertaForSequenceClassification(roberta_config(num_labels=3)).eval()
     out = single(ids, labels=torch.tensor([0, 2]))
     torch.testing.assert_close(out.loss, F.cross_entropy(out.logits, torch.tensor([0, 2])))
-    multi = LinearRobertaForSequenceClassification(roberta_config(num_labels=3,
-                                                                  problem_type="multi_label_classification")).eval()
+    multi = LinearRobertaForSequenceClassification(
+        roberta_config(num_labels=3, problem_type="multi_label_classification")
+    ).eval()
     targets = torch.tensor([[1.0, 0.0, 1.0], [0.0, 1.0, 0.0]])
     out = multi(ids, labels=targets)
     torch.testing.assert_close(out.loss, F.binary_cross_entropy_with_logits(out.logits, targets))
@@ -242,8 +248,9 @@ def test_auto_classes_resolve():
 def test_vit_accepts_other_image_sizes_with_relative_encodings():
     model = LinearViTForImageClassification(vit_config(positional_encoding="lrpe_orthogonal")).eval()
     assert model(pixel_values=images(size=48)).logits.shape == (2, 3)
-    learned = LinearViTForImageClassification(vit_config(positional_encoding="none",
-                                                         absolute_position_embedding="learned")).eval()
+    learned = LinearViTForImageClassification(
+        vit_config(positional_encoding="none", absolute_position_embedding="learned")
+    ).eval()
     with pytest.raises(ValueError, match="32x32 images"):
         learned(pixel_values=images(size=48))
     fastrpb = LinearViTForImageClassification(vit_config(positional_encoding="fastrpb")).eval()
@@ -306,9 +313,19 @@ def test_checkpoint_loads_as_remote_code_without_lrpe_hf(family, tmp_path):
     assert (tmp_path / "checkpoint" / "linear_attention.py").exists()
     script = tmp_path / "remote.py"
     script.write_text(REMOTE_SCRIPT)
-    result = subprocess.run([sys.executable, str(script), family, str(tmp_path / "checkpoint"),
-                             str(tmp_path / "expected.pt"), str(tmp_path / "inputs.pt")],
-                            capture_output=True, text=True, cwd=tmp_path, env={"HF_HUB_OFFLINE": "1",
-                                                                                "PATH": "/usr/bin:/bin"})
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(script),
+            family,
+            str(tmp_path / "checkpoint"),
+            str(tmp_path / "expected.pt"),
+            str(tmp_path / "inputs.pt"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"},
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "remote ok" in result.stdout

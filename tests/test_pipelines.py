@@ -27,8 +27,14 @@ def tokenizer():
     model.pre_tokenizer = pre_tokenizers.Whitespace()
     specials = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]
     model.train_from_iterator(TEXT, trainers.BpeTrainer(vocab_size=80, special_tokens=specials))
-    return PreTrainedTokenizerFast(tokenizer_object=model, bos_token="<s>", pad_token="<pad>", eos_token="</s>",
-                                   unk_token="<unk>", mask_token="<mask>")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=model,
+        bos_token="<s>",
+        pad_token="<pad>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        mask_token="<mask>",
+    )
 
 
 def saved(model, processor, path):
@@ -46,8 +52,13 @@ def test_fill_mask(tokenizer, tmp_path):
 
 
 def test_text_classification(tokenizer, tmp_path):
-    config = LinearRobertaConfig(**TINY, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
-                                 id2label={0: "animal", 1: "other"}, label2id={"animal": 0, "other": 1})
+    config = LinearRobertaConfig(
+        **TINY,
+        vocab_size=len(tokenizer),
+        pad_token_id=tokenizer.pad_token_id,
+        id2label={0: "animal", 1: "other"},
+        label2id={"animal": 0, "other": 1},
+    )
     path = saved(LinearRobertaForSequenceClassification(config), tokenizer, tmp_path)
     classify = pipeline("text-classification", model=path)
     results = classify(["the dog ran", "we read the book today in the park"])
@@ -55,8 +66,13 @@ def test_text_classification(tokenizer, tmp_path):
 
 
 def test_text_generation(tokenizer, tmp_path):
-    config = LinearGPTConfig(**TINY, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
-                             eos_token_id=tokenizer.eos_token_id, positional_encoding="permute")
+    config = LinearGPTConfig(
+        **TINY,
+        vocab_size=len(tokenizer),
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        positional_encoding="permute",
+    )
     path = saved(LinearGPTForCausalLM(config), tokenizer, tmp_path)
     generate = pipeline("text-generation", model=path)
     out = generate("the cat", max_new_tokens=5, do_sample=False)
@@ -64,8 +80,14 @@ def test_text_generation(tokenizer, tmp_path):
 
 
 def test_image_classification(tmp_path):
-    config = LinearViTConfig(**TINY, image_size=32, patch_size=8, num_labels=3,
-                             id2label={0: "a", 1: "b", 2: "c"}, label2id={"a": 0, "b": 1, "c": 2})
+    config = LinearViTConfig(
+        **TINY,
+        image_size=32,
+        patch_size=8,
+        num_labels=3,
+        id2label={0: "a", 1: "b", 2: "c"},
+        label2id={"a": 0, "b": 1, "c": 2},
+    )
     processor = ViTImageProcessor(size={"height": 32, "width": 32})
     path = saved(LinearViTForImageClassification(config), processor, tmp_path)
     classify = pipeline("image-classification", model=path)

@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-
 from conftest import make_layer
+
 from lrpe_hf import POSITIONAL_ENCODINGS, LinearAttentionState
 
 RELATIVE = ["none", "rope", "lrpe_unitary", "lrpe_orthogonal", "lrpe_permutation", "permute", "fastrpb"]
@@ -33,7 +33,7 @@ def test_token_by_token_decoding_equals_full_forward(encoding, attention):
     state = LinearAttentionState()
     pieces = [run(layer, x[:, :6], attention_mask=mask[:, :6], state=state)]  # prefill, then one token at a time
     for t in range(6, 13):
-        pieces.append(run(layer, x[:, t:t + 1], attention_mask=mask[:, t:t + 1], state=state))
+        pieces.append(run(layer, x[:, t : t + 1], attention_mask=mask[:, t : t + 1], state=state))
     torch.testing.assert_close(torch.cat(pieces, dim=1), full, atol=1e-10, rtol=1e-8)
 
 
@@ -41,8 +41,12 @@ def test_token_by_token_decoding_equals_full_forward(encoding, attention):
 @pytest.mark.parametrize("attention", ["linear", "softmax"])
 @pytest.mark.parametrize("encoding", RELATIVE)
 def test_relative_encodings_ignore_a_constant_shift_of_positions(encoding, attention, causal):
-    layer = make_layer(encoding, causal=causal, attention=attention,
-                       feature_map=FEATURE_MAPS.get(encoding, "elu") if attention == "linear" else None)
+    layer = make_layer(
+        encoding,
+        causal=causal,
+        attention=attention,
+        feature_map=FEATURE_MAPS.get(encoding, "elu") if attention == "linear" else None,
+    )
     x = inputs()
     positions = torch.arange(13)[None].expand(2, -1)
     base = layer(x, position_ids=positions)
@@ -81,15 +85,15 @@ def test_padded_batch_equals_each_sequence_alone(encoding, causal):
     padded = torch.zeros_like(x)
     for i, n in enumerate(lengths):
         if i == 1:  # left padding
-            mask[i, 10 - n:] = True
-            padded[i, 10 - n:] = x[i, :n]
+            mask[i, 10 - n :] = True
+            padded[i, 10 - n :] = x[i, :n]
         else:  # right padding
             mask[i, :n] = True
             padded[i, :n] = x[i, :n]
     batched = run(layer, padded, attention_mask=mask)
     for i, n in enumerate(lengths):
-        alone = run(layer, x[i:i + 1, :n])
-        torch.testing.assert_close(batched[i:i + 1][mask[i:i + 1]].view(1, n, -1), alone, atol=1e-10, rtol=1e-8)
+        alone = run(layer, x[i : i + 1, :n])
+        torch.testing.assert_close(batched[i : i + 1][mask[i : i + 1]].view(1, n, -1), alone, atol=1e-10, rtol=1e-8)
 
 
 @pytest.mark.parametrize("feature_map", ["exp", "performer"])
@@ -100,7 +104,7 @@ def test_exponential_feature_maps_survive_large_logits(feature_map):
     out = layer(x)
     assert torch.isfinite(out).all()
     state = LinearAttentionState()
-    steps = torch.cat([layer(x[:, t:t + 1], state=state) for t in range(64)], dim=1)
+    steps = torch.cat([layer(x[:, t : t + 1], state=state) for t in range(64)], dim=1)
     torch.testing.assert_close(steps, out, atol=1e-3, rtol=1e-3)
 
 
@@ -109,8 +113,10 @@ def test_32k_positions_stay_finite(encoding):
     """PermuteFormer's decay at 32k tokens (r^32768 underflows, r^-32768 overflows if applied naively)."""
     torch.manual_seed(0)
     from lrpe_hf import LinearAttention
-    layer = LinearAttention(64, 4, positional_encoding=encoding, causal=True, max_positions=32768,
-                            spe_realizations=8).eval()
+
+    layer = LinearAttention(
+        64, 4, positional_encoding=encoding, causal=True, max_positions=32768, spe_realizations=8
+    ).eval()
     x = torch.randn(1, 32768, 64)
     with torch.no_grad():
         out = layer(x)
@@ -123,8 +129,11 @@ def test_32k_positions_stay_finite(encoding):
 def test_bf16_forward_is_finite(encoding):
     torch.manual_seed(0)
     from lrpe_hf import LinearAttention
+
     for causal in (False, True):
-        layer = LinearAttention(64, 4, positional_encoding=encoding, causal=causal, max_positions=256).to(torch.bfloat16)
+        layer = LinearAttention(64, 4, positional_encoding=encoding, causal=causal, max_positions=256).to(
+            torch.bfloat16
+        )
         x = torch.randn(2, 200, 64, dtype=torch.bfloat16)
         out = layer(x)
         assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
@@ -138,6 +147,7 @@ def test_bf16_forward_is_finite(encoding):
 @pytest.mark.parametrize("encoding", POSITIONAL_ENCODINGS)
 def test_cuda_matches_cpu(encoding):
     from lrpe_hf import LinearAttention
+
     torch.manual_seed(0)
     layer = LinearAttention(64, 4, positional_encoding=encoding, causal=True, max_positions=512).eval()
     x = torch.randn(2, 300, 64)

@@ -34,8 +34,9 @@ def workspace(tmp_path_factory):
     lines = (ROOT / "data/wikipedia_leads/train.txt").read_text(encoding="utf-8").splitlines()
     (folder / "train.txt").write_text("\n".join(lines[:300]) + "\n", encoding="utf-8")
     (folder / "validation.txt").write_text("\n".join(lines[300:340]) + "\n", encoding="utf-8")
-    args = train_tokenizer.TokenizerArguments(output_dir=str(folder / "tokenizer"),
-                                              train_files=[str(folder / "train.txt")], vocab_size=600)
+    args = train_tokenizer.TokenizerArguments(
+        output_dir=str(folder / "tokenizer"), train_files=[str(folder / "train.txt")], vocab_size=600
+    )
     train_tokenizer.train_tokenizer(args)
     return folder
 
@@ -52,11 +53,31 @@ def test_tokenizer_has_the_special_tokens_each_family_needs(workspace):
 @pytest.fixture(scope="module")
 def mlm_checkpoint(workspace):
     out = workspace / "mlm"
-    run_language_modeling("mlm", [
-        "--tokenizer_name", str(workspace / "tokenizer"), "--train_file", str(workspace / "train.txt"),
-        "--validation_file", str(workspace / "validation.txt"), "--positional_encoding", "lrpe_orthogonal",
-        *TINY, "--block_size", "64", "--max_steps", "6", "--per_device_train_batch_size", "4",
-        "--logging_steps", "2", "--output_dir", str(out), *QUIET])
+    run_language_modeling(
+        "mlm",
+        [
+            "--tokenizer_name",
+            str(workspace / "tokenizer"),
+            "--train_file",
+            str(workspace / "train.txt"),
+            "--validation_file",
+            str(workspace / "validation.txt"),
+            "--positional_encoding",
+            "lrpe_orthogonal",
+            *TINY,
+            "--block_size",
+            "64",
+            "--max_steps",
+            "6",
+            "--per_device_train_batch_size",
+            "4",
+            "--logging_steps",
+            "2",
+            "--output_dir",
+            str(out),
+            *QUIET,
+        ],
+    )
     return out
 
 
@@ -76,11 +97,31 @@ def test_mlm_pretraining_writes_model_card_metrics_and_plot(mlm_checkpoint):
 
 def test_clm_training(workspace):
     out = workspace / "clm"
-    metrics = run_language_modeling("clm", [
-        "--tokenizer_name", str(workspace / "tokenizer"), "--train_file", str(workspace / "train.txt"),
-        "--validation_file", str(workspace / "validation.txt"), "--positional_encoding", "permute",
-        "--feature_map", "relu", *TINY, "--block_size", "64", "--max_steps", "4", "--per_device_train_batch_size",
-        "4", "--output_dir", str(out), *QUIET])
+    metrics = run_language_modeling(
+        "clm",
+        [
+            "--tokenizer_name",
+            str(workspace / "tokenizer"),
+            "--train_file",
+            str(workspace / "train.txt"),
+            "--validation_file",
+            str(workspace / "validation.txt"),
+            "--positional_encoding",
+            "permute",
+            "--feature_map",
+            "relu",
+            *TINY,
+            "--block_size",
+            "64",
+            "--max_steps",
+            "4",
+            "--per_device_train_batch_size",
+            "4",
+            "--output_dir",
+            str(out),
+            *QUIET,
+        ],
+    )
     assert metrics["eval_loss"] > 0
     model = AutoModelForCausalLM.from_pretrained(out)
     tokenizer = AutoTokenizer.from_pretrained(out)
@@ -91,11 +132,29 @@ def test_clm_training(workspace):
 @pytest.mark.parametrize("task", ["tweet_sentiment", "wikipedia_topic_pairs"])
 def test_glue_style_fine_tuning_on_embedded_tasks(mlm_checkpoint, workspace, task):
     out = workspace / task
-    metrics = run_glue.main([
-        "--model_name_or_path", str(mlm_checkpoint), "--train_file", str(ROOT / f"data/{task}/train.csv"),
-        "--validation_file", str(ROOT / f"data/{task}/validation.csv"), "--max_train_samples", "64",
-        "--max_eval_samples", "32", "--max_seq_length", "48", "--max_steps", "4", "--per_device_train_batch_size",
-        "8", "--output_dir", str(out), *QUIET])
+    metrics = run_glue.main(
+        [
+            "--model_name_or_path",
+            str(mlm_checkpoint),
+            "--train_file",
+            str(ROOT / f"data/{task}/train.csv"),
+            "--validation_file",
+            str(ROOT / f"data/{task}/validation.csv"),
+            "--max_train_samples",
+            "64",
+            "--max_eval_samples",
+            "32",
+            "--max_seq_length",
+            "48",
+            "--max_steps",
+            "4",
+            "--per_device_train_batch_size",
+            "8",
+            "--output_dir",
+            str(out),
+            *QUIET,
+        ]
+    )
     assert 0.0 <= metrics["eval_accuracy"] <= 1.0 and "eval_f1_macro" in metrics
     config = json.loads((out / "config.json").read_text())
     expected = {"tweet_sentiment": {"negative", "neutral", "positive"}, "wikipedia_topic_pairs": {"0", "1"}}[task]
@@ -106,60 +165,149 @@ def test_glue_style_fine_tuning_on_embedded_tasks(mlm_checkpoint, workspace, tas
 def test_regression_labels(mlm_checkpoint, workspace):
     rows = ["sentence1,sentence2,label"] + [f"a cat {i},a dog {i},{i / 10}" for i in range(20)]
     (workspace / "regression.csv").write_text("\n".join(rows) + "\n")
-    metrics = run_glue.main([
-        "--model_name_or_path", str(mlm_checkpoint), "--train_file", str(workspace / "regression.csv"),
-        "--validation_file", str(workspace / "regression.csv"), "--max_steps", "2", "--output_dir",
-        str(workspace / "regression"), *QUIET])
+    metrics = run_glue.main(
+        [
+            "--model_name_or_path",
+            str(mlm_checkpoint),
+            "--train_file",
+            str(workspace / "regression.csv"),
+            "--validation_file",
+            str(workspace / "regression.csv"),
+            "--max_steps",
+            "2",
+            "--output_dir",
+            str(workspace / "regression"),
+            *QUIET,
+        ]
+    )
     assert "eval_pearson" in metrics and "eval_spearmanr" in metrics
 
 
 def test_image_classification_on_fashion_mnist(workspace):
     out = workspace / "fashion"
-    metrics = run_image_classification.main([
-        "--data_dir", str(ROOT / "data/fashion_mnist"), "--image_size", "28", "--patch_size", "7",
-        "--positional_encoding", "permute", *TINY, "--max_train_samples", "64", "--max_eval_samples", "40",
-        "--max_steps", "3", "--per_device_train_batch_size", "16", "--output_dir", str(out), *QUIET])
+    metrics = run_image_classification.main(
+        [
+            "--data_dir",
+            str(ROOT / "data/fashion_mnist"),
+            "--image_size",
+            "28",
+            "--patch_size",
+            "7",
+            "--positional_encoding",
+            "permute",
+            *TINY,
+            "--max_train_samples",
+            "64",
+            "--max_eval_samples",
+            "40",
+            "--max_steps",
+            "3",
+            "--per_device_train_batch_size",
+            "16",
+            "--output_dir",
+            str(out),
+            *QUIET,
+        ]
+    )
     assert 0.0 <= metrics["eval_accuracy"] <= 1.0
     assert json.loads((out / "preprocessor_config.json").read_text())["image_processor_type"] == "ViTImageProcessor"
     config = json.loads((out / "config.json").read_text())
     assert "ankle_boot" in config["id2label"].values()
 
 
-@pytest.mark.parametrize("arguments,message", [
-    (["--train_file", "missing.txt"], "does not exist"),
-    (["--train_file", "{corpus}", "--positional_encoding", "alibi"], "valid values"),
-    (["--train_file", "{corpus}", "--text_column", "body"], "no column 'body'"),
-    (["--train_file", "{pairs}"], "no column 'text'"),
-])
+@pytest.mark.parametrize(
+    "arguments,message",
+    [
+        (["--train_file", "missing.txt"], "does not exist"),
+        (["--train_file", "{corpus}", "--positional_encoding", "alibi"], "valid values"),
+        (["--train_file", "{corpus}", "--text_column", "body"], "no column 'body'"),
+        (["--train_file", "{pairs}"], "no column 'text'"),
+    ],
+)
 def test_bad_inputs_stop_before_training(workspace, arguments, message):
-    arguments = [a.format(corpus=workspace / "train.txt", pairs=ROOT / "data/wikipedia_topic_pairs/train.csv")
-                 for a in arguments]
+    arguments = [
+        a.format(corpus=workspace / "train.txt", pairs=ROOT / "data/wikipedia_topic_pairs/train.csv") for a in arguments
+    ]
     with pytest.raises((ValueError, FileNotFoundError), match=message):
-        run_language_modeling("clm", ["--tokenizer_name", str(workspace / "tokenizer"), *TINY, *arguments,
-                                      "--output_dir", str(workspace / "bad"), *QUIET])
+        run_language_modeling(
+            "clm",
+            [
+                "--tokenizer_name",
+                str(workspace / "tokenizer"),
+                *TINY,
+                *arguments,
+                "--output_dir",
+                str(workspace / "bad"),
+                *QUIET,
+            ],
+        )
     assert not (workspace / "bad" / "model.safetensors").exists()
 
 
 def test_bad_labels_and_tokenizers(workspace, mlm_checkpoint):
     with pytest.raises(ValueError, match="no column 'stars'"):
-        run_glue.main(["--model_name_or_path", str(mlm_checkpoint), "--train_file",
-                       str(ROOT / "data/tweet_sentiment/train.csv"), "--label_column", "stars",
-                       "--output_dir", str(workspace / "bad"), *QUIET])
+        run_glue.main(
+            [
+                "--model_name_or_path",
+                str(mlm_checkpoint),
+                "--train_file",
+                str(ROOT / "data/tweet_sentiment/train.csv"),
+                "--label_column",
+                "stars",
+                "--output_dir",
+                str(workspace / "bad"),
+                *QUIET,
+            ]
+        )
     tokenizer = AutoTokenizer.from_pretrained(workspace / "tokenizer")
     tokenizer.mask_token = None
     tokenizer.save_pretrained(workspace / "no_mask")
     with pytest.raises(ValueError, match="no mask_token"):
-        run_language_modeling("mlm", ["--tokenizer_name", str(workspace / "no_mask"), "--train_file",
-                                      str(workspace / "train.txt"), *TINY, "--output_dir", str(workspace / "bad"),
-                                      *QUIET])
+        run_language_modeling(
+            "mlm",
+            [
+                "--tokenizer_name",
+                str(workspace / "no_mask"),
+                "--train_file",
+                str(workspace / "train.txt"),
+                *TINY,
+                "--output_dir",
+                str(workspace / "bad"),
+                *QUIET,
+            ],
+        )
 
 
 def clm_command(workspace, out, steps):
-    return [sys.executable, str(ROOT / "run_scripts/run_clm.py"), "--tokenizer_name", str(workspace / "tokenizer"),
-            "--train_file", str(workspace / "train.txt"), "--positional_encoding", "spe_sine", *TINY,
-            "--block_size", "64", "--max_steps", str(steps), "--per_device_train_batch_size", "4",
-            "--save_steps", "2", "--save_strategy", "steps", "--report_to", "none", "--disable_tqdm", "true",
-            "--seed", "0", "--output_dir", str(out)]
+    return [
+        sys.executable,
+        str(ROOT / "run_scripts/run_clm.py"),
+        "--tokenizer_name",
+        str(workspace / "tokenizer"),
+        "--train_file",
+        str(workspace / "train.txt"),
+        "--positional_encoding",
+        "spe_sine",
+        *TINY,
+        "--block_size",
+        "64",
+        "--max_steps",
+        str(steps),
+        "--per_device_train_batch_size",
+        "4",
+        "--save_steps",
+        "2",
+        "--save_strategy",
+        "steps",
+        "--report_to",
+        "none",
+        "--disable_tqdm",
+        "true",
+        "--seed",
+        "0",
+        "--output_dir",
+        str(out),
+    ]
 
 
 def test_killed_run_resumes_to_the_same_weights(workspace):
@@ -167,8 +315,9 @@ def test_killed_run_resumes_to_the_same_weights(workspace):
     (dropout and SPE's random draws included, through the checkpointed RNG states)."""
     whole, interrupted = workspace / "whole", workspace / "interrupted"
     subprocess.run(clm_command(workspace, whole, 8), check=True, capture_output=True)
-    process = subprocess.Popen(clm_command(workspace, interrupted, 8), stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL)
+    process = subprocess.Popen(
+        clm_command(workspace, interrupted, 8), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     deadline = time.time() + 300
     while not (interrupted / "checkpoint-4" / "trainer_state.json").exists():
         assert time.time() < deadline and process.poll() is None, "the run ended before its fourth step"
@@ -178,9 +327,11 @@ def test_killed_run_resumes_to_the_same_weights(workspace):
     for later in interrupted.glob("checkpoint-*"):
         if later.name not in ("checkpoint-2", "checkpoint-4"):
             shutil.rmtree(later)  # keep only what a kill at step 4 would leave
-    subprocess.run(clm_command(workspace, interrupted, 8) + ["--resume_from_checkpoint",
-                                                             str(interrupted / "checkpoint-4")],
-                   check=True, capture_output=True)
+    subprocess.run(
+        clm_command(workspace, interrupted, 8) + ["--resume_from_checkpoint", str(interrupted / "checkpoint-4")],
+        check=True,
+        capture_output=True,
+    )
     expected, resumed = load_file(whole / "model.safetensors"), load_file(interrupted / "model.safetensors")
     assert expected.keys() == resumed.keys()
     for name in expected:
@@ -189,12 +340,37 @@ def test_killed_run_resumes_to_the_same_weights(workspace):
 
 def test_accelerate_launch_with_two_processes(workspace):
     out = workspace / "two_processes"
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--cpu",
-               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-               str(ROOT / "run_scripts/run_clm.py"), "--tokenizer_name", str(workspace / "tokenizer"),
-               "--train_file", str(workspace / "train.txt"), "--positional_encoding", "lrpe_orthogonal", *TINY,
-               "--block_size", "64", "--max_steps", "3", "--per_device_train_batch_size", "2", "--output_dir",
-               str(out), *QUIET]
+    command = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--num_processes",
+        "2",
+        "--cpu",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        str(ROOT / "run_scripts/run_clm.py"),
+        "--tokenizer_name",
+        str(workspace / "tokenizer"),
+        "--train_file",
+        str(workspace / "train.txt"),
+        "--positional_encoding",
+        "lrpe_orthogonal",
+        *TINY,
+        "--block_size",
+        "64",
+        "--max_steps",
+        "3",
+        "--per_device_train_batch_size",
+        "2",
+        "--output_dir",
+        str(out),
+        *QUIET,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -218,8 +394,7 @@ class HubStandIn:
         revision = "0" * 40
         repo = self.cache / "hub" / f"models--{repo_id.replace('/', '--')}"
         snapshot = repo / "snapshots" / revision
-        shutil.copytree(folder_path, snapshot, dirs_exist_ok=True,
-                        ignore=shutil.ignore_patterns(*ignore_patterns))
+        shutil.copytree(folder_path, snapshot, dirs_exist_ok=True, ignore=shutil.ignore_patterns(*ignore_patterns))
         (repo / "refs").mkdir(parents=True, exist_ok=True)
         (repo / "refs" / "main").write_text(revision)
         return f"https://hub.invalid/{repo_id}"
@@ -239,19 +414,43 @@ def test_push_to_hub_then_load_by_name_in_a_fresh_process(mlm_checkpoint, worksp
 
     cache = workspace / "hf_home"
     monkeypatch.setattr(transformers.trainer, "hf_api", lambda: HubStandIn(cache))
-    run_glue.main(["--model_name_or_path", str(mlm_checkpoint), "--train_file",
-                   str(ROOT / "data/tweet_sentiment/train.csv"), "--validation_file",
-                   str(ROOT / "data/tweet_sentiment/validation.csv"), "--max_train_samples", "32",
-                   "--max_eval_samples", "16", "--max_steps", "2", "--output_dir", str(workspace / "pushed"),
-                   "--push_to_hub", "--hub_model_id", "org/tweets", "--hub_strategy", "end", *QUIET])
+    run_glue.main(
+        [
+            "--model_name_or_path",
+            str(mlm_checkpoint),
+            "--train_file",
+            str(ROOT / "data/tweet_sentiment/train.csv"),
+            "--validation_file",
+            str(ROOT / "data/tweet_sentiment/validation.csv"),
+            "--max_train_samples",
+            "32",
+            "--max_eval_samples",
+            "16",
+            "--max_steps",
+            "2",
+            "--output_dir",
+            str(workspace / "pushed"),
+            "--push_to_hub",
+            "--hub_model_id",
+            "org/tweets",
+            "--hub_strategy",
+            "end",
+            *QUIET,
+        ]
+    )
     snapshot = next((cache / "hub" / "models--org--tweets" / "snapshots").iterdir())
     pushed = {p.name for p in snapshot.iterdir()}
-    assert {"config.json", "model.safetensors", "tokenizer.json", "README.md", "linear_attention.py",
-            "modeling_linear_roberta.py"} <= pushed
+    assert {
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "README.md",
+        "linear_attention.py",
+        "modeling_linear_roberta.py",
+    } <= pushed
     card = (snapshot / "README.md").read_text()
     assert "org/tweets" in card and "eval_accuracy" in card
     env = {"HF_HOME": str(cache), "HF_HUB_OFFLINE": "1", "PATH": os.environ.get("PATH", "")}
-    result = subprocess.run([sys.executable, "-c", HUB_LOAD], capture_output=True, text=True, env=env,
-                            cwd=workspace)
+    result = subprocess.run([sys.executable, "-c", HUB_LOAD], capture_output=True, text=True, env=env, cwd=workspace)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip().splitlines()[-1] in ("negative", "neutral", "positive")

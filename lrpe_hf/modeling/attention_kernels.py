@@ -55,7 +55,9 @@ def causal_linear_attention(q, k, v, log_gates=None, initial_state=None, chunk_s
             final = final + initial_state.to(final.dtype)
         out = intra + q @ previous
     else:
-        G = log_gates.to(torch.promote_types(q.dtype, torch.float32)).view(B, H, num_chunks, C).cumsum(-1)  # inclusive, relative to the chunk start
+        G = (
+            log_gates.to(torch.promote_types(q.dtype, torch.float32)).view(B, H, num_chunks, C).cumsum(-1)
+        )  # inclusive, relative to the chunk start
         decay = (G[..., :, None] - G[..., None, :]).masked_fill(~causal_mask, float("-inf")).exp()
         intra = (scores * decay.to(scores.dtype)) @ v
         to_chunk_end = (G[..., -1:] - G).exp().to(k.dtype)[..., None]

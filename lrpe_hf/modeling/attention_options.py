@@ -76,7 +76,9 @@ class AttentionOptions:
             raise ValueError(f"position_dims must be 1 (sequences) or 2 (image patches), got {self.position_dims}")
         if self.attention == "softmax":
             if self.feature_map is not None:
-                raise ValueError("feature_map applies to linear attention only; leave it unset with attention='softmax'")
+                raise ValueError(
+                    "feature_map applies to linear attention only; leave it unset with attention='softmax'"
+                )
             if self.normalization is not None:
                 raise ValueError("normalization applies to linear attention only; softmax normalises by itself")
         else:

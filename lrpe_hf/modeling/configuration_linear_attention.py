@@ -52,11 +52,15 @@ class LinearAttentionConfig(PreTrainedConfig):
     def __post_init__(self, **kwargs):
         super().__post_init__(**kwargs)
         if self.absolute_position_embedding not in ABSOLUTE_POSITION_EMBEDDINGS:
-            raise ValueError(f"Unknown absolute_position_embedding {self.absolute_position_embedding!r}; valid values: "
-                             f"{', '.join(ABSOLUTE_POSITION_EMBEDDINGS)}")
+            raise ValueError(
+                f"Unknown absolute_position_embedding {self.absolute_position_embedding!r}; valid values: "
+                f"{', '.join(ABSOLUTE_POSITION_EMBEDDINGS)}"
+            )
         if self.hidden_size % self.num_attention_heads:
-            raise ValueError(f"hidden_size ({self.hidden_size}) must be a multiple of num_attention_heads "
-                             f"({self.num_attention_heads})")
+            raise ValueError(
+                f"hidden_size ({self.hidden_size}) must be a multiple of num_attention_heads "
+                f"({self.num_attention_heads})"
+            )
         self.attention_options()  # raises ValueError on any invalid value or combination
 
     @property
@@ -66,13 +70,28 @@ class LinearAttentionConfig(PreTrainedConfig):
 
     def attention_options(self) -> AttentionOptions:
         return AttentionOptions(
-            positional_encoding=self.positional_encoding, feature_map=self.feature_map, attention=self.attention,
-            normalization=self.normalization, causal=self.is_causal_model, position_dims=self.position_dims,
-            max_positions=self.max_relative_positions, chunk_size=self.chunk_size, eps=self.attention_eps,
-            relu_eps=self.relu_eps, dpfp_nu=self.dpfp_nu, performer_features=self.performer_features,
-            performer_redraw=self.performer_redraw, rope_base=self.rope_base, lrpe_p_matrix=self.lrpe_p_matrix,
-            lrpe_learnable_p=self.lrpe_learnable_p, lrpe_learnable_angles=self.lrpe_learnable_angles,
-            permute_decay=self.permute_decay, spe_realizations=self.spe_realizations, spe_sines=self.spe_sines,
-            spe_kernel_size=self.spe_kernel_size, spe_gated=self.spe_gated, spe_seed=self.spe_seed,
+            positional_encoding=self.positional_encoding,
+            feature_map=self.feature_map,
+            attention=self.attention,
+            normalization=self.normalization,
+            causal=self.is_causal_model,
+            position_dims=self.position_dims,
+            max_positions=self.max_relative_positions,
+            chunk_size=self.chunk_size,
+            eps=self.attention_eps,
+            relu_eps=self.relu_eps,
+            dpfp_nu=self.dpfp_nu,
+            performer_features=self.performer_features,
+            performer_redraw=self.performer_redraw,
+            rope_base=self.rope_base,
+            lrpe_p_matrix=self.lrpe_p_matrix,
+            lrpe_learnable_p=self.lrpe_learnable_p,
+            lrpe_learnable_angles=self.lrpe_learnable_angles,
+            permute_decay=self.permute_decay,
+            spe_realizations=self.spe_realizations,
+            spe_sines=self.spe_sines,
+            spe_kernel_size=self.spe_kernel_size,
+            spe_gated=self.spe_gated,
+            spe_seed=self.spe_seed,
             fastrpb_init_std=self.fastrpb_init_std,
         )

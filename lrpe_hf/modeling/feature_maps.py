@@ -130,8 +130,9 @@ class PerformerFeatureMap(FeatureMap):
 FEATURE_MAPS = ("elu", "relu", "exp", "dpfp", "performer")
 
 
-def build_feature_map(name: str, input_dim: int, *, relu_eps=1e-3, dpfp_nu=1, performer_features=None,
-                      performer_redraw=False) -> FeatureMap:
+def build_feature_map(
+    name: str, input_dim: int, *, relu_eps=1e-3, dpfp_nu=1, performer_features=None, performer_redraw=False
+) -> FeatureMap:
     if name == "elu":
         return EluFeatureMap(input_dim)
     if name == "relu":

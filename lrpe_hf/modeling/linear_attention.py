@@ -63,8 +63,9 @@ class LinearAttentionState:
                 setattr(self, name, value.index_select(0, index.to(value.device)))
 
 
-def build_positional_encoding(options: AttentionOptions, num_heads: int, head_dim: int, feature_dim: int,
-                              own_spe_codes: bool = True) -> PositionalEncoding:
+def build_positional_encoding(
+    options: AttentionOptions, num_heads: int, head_dim: int, feature_dim: int, own_spe_codes: bool = True
+) -> PositionalEncoding:
     """The encoding module for ``options.positional_encoding``; ``feature_dim`` is the width it transforms."""
     name, dims = options.positional_encoding, options.position_dims
     lrpe = dict(position_dims=dims, p_matrix=options.lrpe_p_matrix, learnable_p=options.lrpe_learnable_p)
@@ -73,11 +74,13 @@ def build_positional_encoding(options: AttentionOptions, num_heads: int, head_di
     if name == "rope":
         return RotaryPositionalEncoding(num_heads, feature_dim, options.rope_base, dims)
     if name == "lrpe_unitary":
-        return LRPEUnitary(num_heads, feature_dim, learnable_angles=options.lrpe_learnable_angles,
-                           base=options.rope_base, **lrpe)
+        return LRPEUnitary(
+            num_heads, feature_dim, learnable_angles=options.lrpe_learnable_angles, base=options.rope_base, **lrpe
+        )
     if name == "lrpe_orthogonal":
-        return LRPEOrthogonal(num_heads, feature_dim, learnable_angles=options.lrpe_learnable_angles,
-                              base=options.rope_base, **lrpe)
+        return LRPEOrthogonal(
+            num_heads, feature_dim, learnable_angles=options.lrpe_learnable_angles, base=options.rope_base, **lrpe
+        )
     if name == "lrpe_permutation":
         return LRPEPermutation(num_heads, feature_dim, **lrpe)
     if name == "permute":
@@ -93,10 +96,12 @@ def build_positional_encoding(options: AttentionOptions, num_heads: int, head_di
 def build_spe_codes(options: AttentionOptions, num_heads: int, head_dim: int):
     """The SPE kernels; a model builds one and shares it across its layers."""
     if options.positional_encoding == "spe_sine":
-        return SineSPECodes(num_heads, head_dim, options.spe_realizations, options.spe_sines,
-                            options.position_dims, options.spe_seed)
-    return ConvSPECodes(num_heads, head_dim, options.spe_realizations, options.spe_kernel_size,
-                        options.position_dims, options.spe_seed)
+        return SineSPECodes(
+            num_heads, head_dim, options.spe_realizations, options.spe_sines, options.position_dims, options.spe_seed
+        )
+    return ConvSPECodes(
+        num_heads, head_dim, options.spe_realizations, options.spe_kernel_size, options.position_dims, options.spe_seed
+    )
 
 
 class LinearAttention(nn.Module):
@@ -131,9 +136,14 @@ class LinearAttention(nn.Module):
         is_spe = o.positional_encoding in ("spe_sine", "spe_conv")
         query_key_dim = o.spe_realizations if is_spe else self.head_dim
         if o.attention == "linear":
-            self.feature_map = build_feature_map(o.feature_map, query_key_dim, relu_eps=o.relu_eps, dpfp_nu=o.dpfp_nu,
-                                                 performer_features=o.performer_features,
-                                                 performer_redraw=o.performer_redraw)
+            self.feature_map = build_feature_map(
+                o.feature_map,
+                query_key_dim,
+                relu_eps=o.relu_eps,
+                dpfp_nu=o.dpfp_nu,
+                performer_features=o.performer_features,
+                performer_redraw=o.performer_redraw,
+            )
             feature_dim = self.feature_map.output_dim
         else:
             self.feature_map = None
@@ -153,9 +163,11 @@ class LinearAttention(nn.Module):
             if dims == 1 and positions.dim() == 2:
                 positions = positions[..., None]
             if positions.dim() != 3 or positions.shape[1:] != (num_tokens, dims):
-                raise ValueError(f"position_ids must have shape (batch, {num_tokens})"
-                                 + (" " if dims == 1 else f" ... (batch, {num_tokens}, 2) with (row, col)")
-                                 + f"; got {tuple(position_ids.shape)}")
+                raise ValueError(
+                    f"position_ids must have shape (batch, {num_tokens})"
+                    + (" " if dims == 1 else f" ... (batch, {num_tokens}, 2) with (row, col)")
+                    + f"; got {tuple(position_ids.shape)}"
+                )
             return positions.expand(batch_size, -1, -1).long()
         if dims == 2:
             if self.options.positional_encoding == "none":
@@ -177,8 +189,9 @@ class LinearAttention(nn.Module):
         mask = None
         if attention_mask is not None:
             if attention_mask.shape != (B, N):
-                raise ValueError(f"attention_mask must have shape (batch, tokens) = {(B, N)}, got "
-                                 f"{tuple(attention_mask.shape)}")
+                raise ValueError(
+                    f"attention_mask must have shape (batch, tokens) = {(B, N)}, got {tuple(attention_mask.shape)}"
+                )
             mask = attention_mask.bool()
         if state is not None and not self.options.causal:
             raise ValueError("A recurrent state is only meaningful for causal attention (causal=True)")
@@ -338,6 +351,8 @@ class LinearAttention(nn.Module):
                 key_positions = torch.cat([state.value_positions, positions], dim=1)
             state.values, state.value_positions = key_values, key_positions
         elif state is not None:  # the softmax state already holds every value and position
-            key_values, key_positions = state.values.masked_fill(~state.key_mask[:, None, :, None], 0.0), \
-                state.value_positions
+            key_values, key_positions = (
+                state.values.masked_fill(~state.key_mask[:, None, :, None], 0.0),
+                state.value_positions,
+            )
         return out + encoding.value_bias(key_values, key_positions, positions, self.options.causal)

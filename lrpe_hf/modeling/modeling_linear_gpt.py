@@ -36,7 +36,8 @@ class LinearGPTModel(LinearGPTPreTrainedModel):
         super().__init__(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.position_embedding = build_absolute_position_embedding(
-            config.absolute_position_embedding, config.hidden_size, config.max_position_embeddings)
+            config.absolute_position_embedding, config.hidden_size, config.max_position_embeddings
+        )
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
         self.stack = LinearTransformerStack(config, pre_norm=True)
         self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
@@ -49,19 +50,31 @@ class LinearGPTModel(LinearGPTPreTrainedModel):
         self.embed_tokens = value
 
     @can_return_tuple
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None, inputs_embeds=None,
-                use_cache=None, output_hidden_states=None, **kwargs) -> BaseModelOutputWithPast:
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        past_key_values=None,
+        inputs_embeds=None,
+        use_cache=None,
+        output_hidden_states=None,
+        **kwargs,
+    ) -> BaseModelOutputWithPast:
         """input_ids (B, N); attention_mask (B, past + N) or (B, N), 1 for tokens, 0 for padding."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of input_ids and inputs_embeds")
         hidden_states = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         batch_size, num_tokens = hidden_states.shape[:2]
         use_cache = use_cache if use_cache is not None else (self.config.use_cache and not self.training)
-        output_hidden_states = output_hidden_states if output_hidden_states is not None else \
-            self.config.output_hidden_states
+        output_hidden_states = (
+            output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
+        )
         if past_key_values is not None and not isinstance(past_key_values, LinearAttentionCache):
-            raise ValueError(f"LinearGPT keeps recurrent states in a LinearAttentionCache, got "
-                             f"{type(past_key_values).__name__}; pass past_key_values=None to start one")
+            raise ValueError(
+                f"LinearGPT keeps recurrent states in a LinearAttentionCache, got "
+                f"{type(past_key_values).__name__}; pass past_key_values=None to start one"
+            )
         if use_cache and past_key_values is None:
             past_key_values = LinearAttentionCache(self.config.num_hidden_layers)
         cache = past_key_values if use_cache else None
@@ -69,11 +82,16 @@ class LinearGPTModel(LinearGPTPreTrainedModel):
 
         mask = None
         if attention_mask is not None:
-            if attention_mask.dim() != 2 or attention_mask.shape[0] != batch_size or \
-                    attention_mask.shape[1] not in (num_tokens, past + num_tokens):
-                raise ValueError(f"attention_mask must have shape (batch, tokens) = ({batch_size}, {num_tokens}) or "
-                                 f"(batch, past + tokens) = ({batch_size}, {past + num_tokens}); got "
-                                 f"{tuple(attention_mask.shape)}")
+            if (
+                attention_mask.dim() != 2
+                or attention_mask.shape[0] != batch_size
+                or attention_mask.shape[1] not in (num_tokens, past + num_tokens)
+            ):
+                raise ValueError(
+                    f"attention_mask must have shape (batch, tokens) = ({batch_size}, {num_tokens}) or "
+                    f"(batch, past + tokens) = ({batch_size}, {past + num_tokens}); got "
+                    f"{tuple(attention_mask.shape)}"
+                )
             mask = attention_mask[:, -num_tokens:].bool()
         if position_ids is None:
             if attention_mask is not None and attention_mask.shape[1] == past + num_tokens:
@@ -90,8 +108,9 @@ class LinearGPTModel(LinearGPTPreTrainedModel):
             cache.seen_tokens += num_tokens
         if output_hidden_states:
             all_hidden_states = tuple(all_hidden_states) + (hidden_states,)
-        return BaseModelOutputWithPast(last_hidden_state=hidden_states, past_key_values=cache,
-                                       hidden_states=all_hidden_states)
+        return BaseModelOutputWithPast(
+            last_hidden_state=hidden_states, past_key_values=cache, hidden_states=all_hidden_states
+        )
 
 
 class LinearGPTForCausalLM(LinearGPTPreTrainedModel, GenerationMixin):
@@ -104,20 +123,37 @@ class LinearGPTForCausalLM(LinearGPTPreTrainedModel, GenerationMixin):
         self.post_init()
 
     @can_return_tuple
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None, inputs_embeds=None,
-                labels=None, use_cache=None, output_hidden_states=None, logits_to_keep=0, **kwargs
-                ) -> CausalLMOutputWithPast:
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        past_key_values=None,
+        inputs_embeds=None,
+        labels=None,
+        use_cache=None,
+        output_hidden_states=None,
+        logits_to_keep=0,
+        **kwargs,
+    ) -> CausalLMOutputWithPast:
         """labels (B, N): the input ids (shifted inside the loss); -100 is ignored."""
-        outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                             past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
-                             output_hidden_states=output_hidden_states)
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            output_hidden_states=output_hidden_states,
+        )
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         logits = self.lm_head(outputs.last_hidden_state[:, keep])
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=outputs.past_key_values,
-                                      hidden_states=outputs.hidden_states)
+        return CausalLMOutputWithPast(
+            loss=loss, logits=logits, past_key_values=outputs.past_key_values, hidden_states=outputs.hidden_states
+        )
 
 
 class LinearGPTForSequenceClassification(LinearGPTPreTrainedModel):
@@ -131,10 +167,24 @@ class LinearGPTForSequenceClassification(LinearGPTPreTrainedModel):
         self.post_init()
 
     @can_return_tuple
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, labels=None,
-                output_hidden_states=None, **kwargs) -> SequenceClassifierOutputWithPast:
-        outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                             inputs_embeds=inputs_embeds, use_cache=False, output_hidden_states=output_hidden_states)
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        inputs_embeds=None,
+        labels=None,
+        output_hidden_states=None,
+        **kwargs,
+    ) -> SequenceClassifierOutputWithPast:
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            inputs_embeds=inputs_embeds,
+            use_cache=False,
+            output_hidden_states=output_hidden_states,
+        )
         logits = self.score(outputs.last_hidden_state)
         batch_size, num_tokens = logits.shape[:2]
         positions = torch.arange(num_tokens, device=logits.device)

@@ -33,7 +33,8 @@ class LinearRobertaModel(LinearRobertaPreTrainedModel):
         super().__init__(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
         self.position_embedding = build_absolute_position_embedding(
-            config.absolute_position_embedding, config.hidden_size, config.max_position_embeddings)
+            config.absolute_position_embedding, config.hidden_size, config.max_position_embeddings
+        )
         self.embedding_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
         self.stack = LinearTransformerStack(config, pre_norm=False)
@@ -46,20 +47,30 @@ class LinearRobertaModel(LinearRobertaPreTrainedModel):
         self.embed_tokens = value
 
     @can_return_tuple
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None,
-                output_hidden_states=None, **kwargs) -> BaseModelOutput:
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        inputs_embeds=None,
+        output_hidden_states=None,
+        **kwargs,
+    ) -> BaseModelOutput:
         """input_ids (B, N); attention_mask (B, N), 1 for tokens, 0 for padding. Positions count real tokens."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of input_ids and inputs_embeds")
         hidden_states = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         batch_size, num_tokens = hidden_states.shape[:2]
-        output_hidden_states = output_hidden_states if output_hidden_states is not None else \
-            self.config.output_hidden_states
+        output_hidden_states = (
+            output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
+        )
         mask = None
         if attention_mask is not None:
             if attention_mask.shape != (batch_size, num_tokens):
-                raise ValueError(f"attention_mask must have shape (batch, tokens) = ({batch_size}, {num_tokens}), got "
-                                 f"{tuple(attention_mask.shape)}")
+                raise ValueError(
+                    f"attention_mask must have shape (batch, tokens) = ({batch_size}, {num_tokens}), got "
+                    f"{tuple(attention_mask.shape)}"
+                )
             mask = attention_mask.bool()
         if position_ids is None:
             if mask is not None:
@@ -91,11 +102,24 @@ class LinearRobertaForMaskedLM(LinearRobertaPreTrainedModel):
         self.lm_head.decoder = new_embeddings
 
     @can_return_tuple
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, labels=None,
-                output_hidden_states=None, **kwargs) -> MaskedLMOutput:
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        inputs_embeds=None,
+        labels=None,
+        output_hidden_states=None,
+        **kwargs,
+    ) -> MaskedLMOutput:
         """labels (B, N): token ids at masked positions, -100 elsewhere."""
-        outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                             inputs_embeds=inputs_embeds, output_hidden_states=output_hidden_states)
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            inputs_embeds=inputs_embeds,
+            output_hidden_states=output_hidden_states,
+        )
         logits = self.lm_head(outputs.last_hidden_state)
         loss = None
         if labels is not None:
@@ -125,16 +149,34 @@ class LinearRobertaForSequenceClassification(LinearRobertaPreTrainedModel):
         self.num_labels = config.num_labels
         self.model = LinearRobertaModel(config)
         dropout = config.classifier_dropout if config.classifier_dropout is not None else config.hidden_dropout_prob
-        self.classifier = nn.Sequential(nn.Dropout(dropout), nn.Linear(config.hidden_size, config.hidden_size),
-                                        nn.Tanh(), nn.Dropout(dropout), nn.Linear(config.hidden_size, config.num_labels))
+        self.classifier = nn.Sequential(
+            nn.Dropout(dropout),
+            nn.Linear(config.hidden_size, config.hidden_size),
+            nn.Tanh(),
+            nn.Dropout(dropout),
+            nn.Linear(config.hidden_size, config.num_labels),
+        )
         self.post_init()
 
     @can_return_tuple
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, labels=None,
-                output_hidden_states=None, **kwargs) -> SequenceClassifierOutput:
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        inputs_embeds=None,
+        labels=None,
+        output_hidden_states=None,
+        **kwargs,
+    ) -> SequenceClassifierOutput:
         """labels (B,) class ids, (B, num_labels) multi-hot floats, or (B,) floats for regression (num_labels=1)."""
-        outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                             inputs_embeds=inputs_embeds, output_hidden_states=output_hidden_states)
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            inputs_embeds=inputs_embeds,
+            output_hidden_states=output_hidden_states,
+        )
         logits = self.classifier(outputs.last_hidden_state[:, 0])
         loss = None
         if labels is not None:
@@ -153,11 +195,24 @@ class LinearRobertaForTokenClassification(LinearRobertaPreTrainedModel):
         self.post_init()
 
     @can_return_tuple
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, labels=None,
-                output_hidden_states=None, **kwargs) -> TokenClassifierOutput:
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        inputs_embeds=None,
+        labels=None,
+        output_hidden_states=None,
+        **kwargs,
+    ) -> TokenClassifierOutput:
         """labels (B, N) class ids, -100 ignored."""
-        outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                             inputs_embeds=inputs_embeds, output_hidden_states=output_hidden_states)
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            inputs_embeds=inputs_embeds,
+            output_hidden_states=output_hidden_states,
+        )
         logits = self.classifier(self.dropout(outputs.last_hidden_state))
         loss = None
         if labels is not None:
@@ -173,15 +228,29 @@ class LinearRobertaForQuestionAnswering(LinearRobertaPreTrainedModel):
         self.post_init()
 
     @can_return_tuple
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None,
-                start_positions=None, end_positions=None, output_hidden_states=None, **kwargs
-                ) -> QuestionAnsweringModelOutput:
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        inputs_embeds=None,
+        start_positions=None,
+        end_positions=None,
+        output_hidden_states=None,
+        **kwargs,
+    ) -> QuestionAnsweringModelOutput:
         """start_positions, end_positions (B,): the answer span's token indices."""
-        outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                             inputs_embeds=inputs_embeds, output_hidden_states=output_hidden_states)
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            inputs_embeds=inputs_embeds,
+            output_hidden_states=output_hidden_states,
+        )
         start_logits, end_logits = self.qa_outputs(outputs.last_hidden_state).unbind(-1)
         loss = None
         if start_positions is not None and end_positions is not None:
             loss = self.loss_function(start_logits, end_logits, start_positions, end_positions)
-        return QuestionAnsweringModelOutput(loss=loss, start_logits=start_logits, end_logits=end_logits,
-                                            hidden_states=outputs.hidden_states)
+        return QuestionAnsweringModelOutput(
+            loss=loss, start_logits=start_logits, end_logits=end_logits, hidden_states=outputs.hidden_states
+        )

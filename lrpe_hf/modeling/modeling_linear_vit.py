@@ -34,8 +34,9 @@ class LinearViTEmbeddings(nn.Module):
     def __init__(self, config: LinearViTConfig):
         super().__init__()
         self.config = config
-        self.patch_projection = nn.Conv2d(config.num_channels, config.hidden_size, kernel_size=config.patch_size,
-                                          stride=config.patch_size)
+        self.patch_projection = nn.Conv2d(
+            config.num_channels, config.hidden_size, kernel_size=config.patch_size, stride=config.patch_size
+        )
         self.cls_token = nn.Parameter(torch.zeros(1, 1, config.hidden_size))
         self.sinusoidal = None
         self.learned_table = None
@@ -48,8 +49,10 @@ class LinearViTEmbeddings(nn.Module):
     def forward(self, pixel_values):
         """pixel_values (B, C, H, W) -> embeddings (B, 1 + P, hidden), positions (B, 1 + P, 2)."""
         if pixel_values.dim() != 4 or pixel_values.shape[1] != self.config.num_channels:
-            raise ValueError(f"pixel_values must have shape (batch, {self.config.num_channels}, height, width), got "
-                             f"{tuple(pixel_values.shape)}")
+            raise ValueError(
+                f"pixel_values must have shape (batch, {self.config.num_channels}, height, width), got "
+                f"{tuple(pixel_values.shape)}"
+            )
         height, width = pixel_values.shape[-2:]
         p = self.config.patch_size
         if height % p or width % p:
@@ -62,7 +65,8 @@ class LinearViTEmbeddings(nn.Module):
             if embeddings.shape[1] != self.learned_table.shape[1]:
                 raise ValueError(
                     f"learned absolute position embeddings cover {self.config.image_size}x{self.config.image_size} "
-                    f"images; got {height}x{width}. Resize the images or use a relative positional encoding")
+                    f"images; got {height}x{width}. Resize the images or use a relative positional encoding"
+                )
             embeddings = embeddings + self.learned_table
         elif self.sinusoidal is not None:
             embeddings = embeddings + self.sinusoidal(positions).to(embeddings.dtype)
@@ -84,15 +88,17 @@ class LinearViTModel(LinearViTPreTrainedModel):
     def forward(self, pixel_values=None, output_hidden_states=None, **kwargs) -> BaseModelOutputWithPooling:
         if pixel_values is None:
             raise ValueError("pixel_values is required")
-        output_hidden_states = output_hidden_states if output_hidden_states is not None else \
-            self.config.output_hidden_states
+        output_hidden_states = (
+            output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
+        )
         hidden_states, positions = self.embeddings(pixel_values)
         hidden_states, all_hidden_states = self.stack(hidden_states, None, positions, None, output_hidden_states)
         hidden_states = self.norm(hidden_states)
         if output_hidden_states:
             all_hidden_states = tuple(all_hidden_states) + (hidden_states,)
-        return BaseModelOutputWithPooling(last_hidden_state=hidden_states, pooler_output=hidden_states[:, 0],
-                                          hidden_states=all_hidden_states)
+        return BaseModelOutputWithPooling(
+            last_hidden_state=hidden_states, pooler_output=hidden_states[:, 0], hidden_states=all_hidden_states
+        )
 
 
 class LinearViTForImageClassification(LinearViTPreTrainedModel):

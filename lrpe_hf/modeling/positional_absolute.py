@@ -13,7 +13,9 @@ from torch import nn
 def sinusoidal_table(positions: torch.Tensor, dim: int) -> torch.Tensor:
     """Vaswani et al.: [sin(p w_i), cos(p w_i)] with w_i = 10000^(-2i/dim). positions (...) -> (..., dim)."""
     half = dim // 2
-    frequencies = torch.exp(-math.log(10000.0) * torch.arange(half, dtype=torch.float64, device=positions.device) / half)
+    frequencies = torch.exp(
+        -math.log(10000.0) * torch.arange(half, dtype=torch.float64, device=positions.device) / half
+    )
     angles = positions.to(torch.float64)[..., None] * frequencies
     table = torch.cat([angles.sin(), angles.cos()], dim=-1)
     if dim % 2:
@@ -32,8 +34,10 @@ class SinusoidalPositionEmbedding(nn.Module):
         if self.position_dims == 1:
             return sinusoidal_table(positions, self.hidden_size)
         rows = (self.hidden_size + 1) // 2
-        return torch.cat([sinusoidal_table(positions[..., 0], rows),
-                          sinusoidal_table(positions[..., 1], self.hidden_size - rows)], dim=-1)
+        return torch.cat(
+            [sinusoidal_table(positions[..., 0], rows), sinusoidal_table(positions[..., 1], self.hidden_size - rows)],
+            dim=-1,
+        )
 
 
 class LearnedPositionEmbedding(nn.Module):
@@ -46,8 +50,9 @@ class LearnedPositionEmbedding(nn.Module):
             self.tables = nn.ModuleList([nn.Embedding(max_positions, hidden_size)])
         else:
             rows = (hidden_size + 1) // 2
-            self.tables = nn.ModuleList([nn.Embedding(max_positions, rows),
-                                         nn.Embedding(max_positions, hidden_size - rows)])
+            self.tables = nn.ModuleList(
+                [nn.Embedding(max_positions, rows), nn.Embedding(max_positions, hidden_size - rows)]
+            )
 
     def forward(self, positions: torch.Tensor) -> torch.Tensor:
         if positions.numel() and (int(positions.max()) >= self.max_positions or int(positions.min()) < 0):
@@ -60,8 +65,9 @@ class LearnedPositionEmbedding(nn.Module):
         return torch.cat([table(positions[..., a]) for a, table in enumerate(self.tables)], dim=-1)
 
 
-def build_absolute_position_embedding(name: str, hidden_size: int, max_positions: int | None,
-                                      position_dims: int = 1) -> nn.Module | None:
+def build_absolute_position_embedding(
+    name: str, hidden_size: int, max_positions: int | None, position_dims: int = 1
+) -> nn.Module | None:
     if name == "none":
         return None
     if name == "sinusoidal":

@@ -54,7 +54,8 @@ class FastRelativePositionBias(PositionalEncoding):
             )
 
     def value_bias(self, values, key_positions, query_positions, causal):
-        """values (B, H, T, d) (zero where padded), key_positions (B, T, A), query_positions (B, N, A) -> (B, H, N, d)."""
+        """values (B, H, T, d), zero where padded; key_positions (B, T, A); query_positions (B, N, A).
+        Returns W V at the queries: (B, H, N, d)."""
         if query_positions.shape[1] * key_positions.shape[1] <= 4096 * 64:
             return self.dense(values, key_positions, query_positions, causal)
         return self.fft(values, key_positions, query_positions, causal)

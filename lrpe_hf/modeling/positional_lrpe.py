@@ -62,13 +62,21 @@ def build_p_matrix(kind: str, num_heads: int, dim: int, learnable: bool) -> nn.M
 
 
 class LRPEUnitary(PositionalEncoding):
-    def __init__(self, num_heads, feature_dim, position_dims=1, p_matrix="householder", learnable_p=False,
-                 learnable_angles=True, base=10000.0):
+    def __init__(
+        self,
+        num_heads,
+        feature_dim,
+        position_dims=1,
+        p_matrix="householder",
+        learnable_p=False,
+        learnable_angles=True,
+        base=10000.0,
+    ):
         super().__init__()
         self.p = build_p_matrix(p_matrix, num_heads, feature_dim, learnable_p)
         axis = axis_of_each(feature_dim, position_dims)
         # One angle per feature dimension: alpha_i = base^(-2i/m) over each axis's share of the dimensions.
-        angles = rotary_frequencies(feature_dim, base ** 2, position_dims).repeat(num_heads, 1)
+        angles = rotary_frequencies(feature_dim, base**2, position_dims).repeat(num_heads, 1)
         self.angles = nn.Parameter(angles, requires_grad=learnable_angles)
         self.register_buffer("axis", axis)
 
@@ -82,8 +90,16 @@ class LRPEUnitary(PositionalEncoding):
 
 
 class LRPEOrthogonal(PositionalEncoding):
-    def __init__(self, num_heads, feature_dim, position_dims=1, p_matrix="householder", learnable_p=False,
-                 learnable_angles=True, base=10000.0):
+    def __init__(
+        self,
+        num_heads,
+        feature_dim,
+        position_dims=1,
+        p_matrix="householder",
+        learnable_p=False,
+        learnable_angles=True,
+        base=10000.0,
+    ):
         super().__init__()
         self.p = build_p_matrix(p_matrix, num_heads, feature_dim, learnable_p)
         self.rotation = RotaryPositionalEncoding(num_heads, feature_dim, base, position_dims, learnable_angles)

@@ -61,8 +61,9 @@ def default_decays(num_heads: int) -> torch.Tensor:
 
 
 class PermutePositionalEncoding(PositionalEncoding):
-    def __init__(self, num_heads: int, feature_dim: int, position_dims: int = 1, causal: bool = False,
-                 decay: float | None = None):
+    def __init__(
+        self, num_heads: int, feature_dim: int, position_dims: int = 1, causal: bool = False, decay: float | None = None
+    ):
         super().__init__()
         self.position_dims = position_dims
         if position_dims == 1:
@@ -87,8 +88,12 @@ class PermutePositionalEncoding(PositionalEncoding):
     def encode_features(self, q, k, positions):
         if len(self.permutations) == 1:
             return self.permutations[0].apply(q, k, positions[..., 0])
-        parts = [perm.apply(q_part, k_part, positions[..., a]) for a, (perm, q_part, k_part) in
-                 enumerate(zip(self.permutations, q.split(self.split, dim=-1), k.split(self.split, dim=-1)))]
+        parts = [
+            perm.apply(q_part, k_part, positions[..., a])
+            for a, (perm, q_part, k_part) in enumerate(
+                zip(self.permutations, q.split(self.split, dim=-1), k.split(self.split, dim=-1))
+            )
+        ]
         return torch.cat([p[0] for p in parts], dim=-1), torch.cat([p[1] for p in parts], dim=-1)
 
     def extra_repr(self):

@@ -30,8 +30,9 @@ class RotaryPositionalEncoding(PositionalEncoding):
     """Block-diagonal 2x2 rotations R_s of the features. ``learnable`` turns the angles into parameters
     (LRPE's orthogonal solution); otherwise they are RoPE's fixed ladder."""
 
-    def __init__(self, num_heads: int, feature_dim: int, base: float = 10000.0, position_dims: int = 1,
-                 learnable: bool = False):
+    def __init__(
+        self, num_heads: int, feature_dim: int, base: float = 10000.0, position_dims: int = 1, learnable: bool = False
+    ):
         super().__init__()
         num_pairs = feature_dim // 2
         frequencies = rotary_frequencies(num_pairs, base, position_dims).repeat(num_heads, 1)

@@ -63,7 +63,9 @@ class SPEDraw:
         """A named position-independent noise tensor of the given shape."""
         if name not in self._tensors:
             if self.seeded:
-                self._tensors[name] = seeded_normal(self.codes.seed, (zlib.crc32(name.encode()),), shape).to(self.device)
+                self._tensors[name] = seeded_normal(self.codes.seed, (zlib.crc32(name.encode()),), shape).to(
+                    self.device
+                )
             else:
                 self._tensors[name] = torch.randn(shape, device=self.device)
         return self._tensors[name]
@@ -163,10 +165,12 @@ class SineSPECodes(SPECodes):
     def position_table(self, positions, draw):
         """[cos, sin](2 pi f . p) for every (head, dim, sine): (B', H, N, D, 2K), shared by queries, keys and
         every layer using the draw. The cycles are reduced modulo 1 in float64 so large positions stay exact."""
+
         def build(rows):
             cycles = torch.einsum("bna,ahdk->bhndk", rows.double(), self.frequencies.double())
             phase = (2 * math.pi) * torch.frac(cycles).to(torch.promote_types(self.frequencies.dtype, torch.float32))
             return torch.cat([phase.cos(), phase.sin()], dim=-1)
+
         return draw.cached("sine_table", positions, build)
 
     def prepare(self, draw, positions):
@@ -202,8 +206,9 @@ class ConvSPECodes(SPECodes):
         self.kernel_size = kernel_size
         shape = (num_heads, head_dim) + (kernel_size,) * position_dims
         # Start from decaying unit-norm windows with random time constants, so P_d(0) = 1 and P_d vanishes.
-        taps = torch.stack(torch.meshgrid(*[torch.arange(kernel_size, dtype=torch.float)] * position_dims,
-                                          indexing="ij")).norm(dim=0)
+        taps = torch.stack(
+            torch.meshgrid(*[torch.arange(kernel_size, dtype=torch.float)] * position_dims, indexing="ij")
+        ).norm(dim=0)
         scale = kernel_size * torch.rand(num_heads, head_dim).clamp_min(0.05)
         window = torch.exp(-taps / scale.view(num_heads, head_dim, *([1] * position_dims)))
         window = window / window.flatten(2).norm(dim=-1).view(num_heads, head_dim, *([1] * position_dims))
@@ -228,6 +233,7 @@ class ConvSPECodes(SPECodes):
 
     def codes(self, positions, draw, is_query):
         """Filtered noise Qbar_d(p) (or Kbar) at every position: (B', H, N, D, R), cached in the draw."""
+
         def build(rows):
             L, A = self.kernel_size, self.position_dims
             lo, hi = rows.amin(dim=(0, 1)), rows.amax(dim=(0, 1))
@@ -244,7 +250,11 @@ class ConvSPECodes(SPECodes):
             full = torch.fft.irfftn(noise_f[None] * filter_f, s=fft_sizes, dim=tuple(range(1, 1 + A)))
             grid = full[(slice(None),) + tuple(slice(L - 1, n) for n in sizes)]  # (H, *P, D, R): positions lo..hi
             index = rows - lo
-            if A == 1 and index.shape[1] == grid.shape[1] and bool((index[..., 0] == torch.arange(index.shape[1])).all()):
+            if (
+                A == 1
+                and index.shape[1] == grid.shape[1]
+                and bool((index[..., 0] == torch.arange(index.shape[1])).all())
+            ):
                 return grid[None]  # one row covering lo..hi in order: no gather
             return grid[(slice(None),) + tuple(index[..., a] for a in range(A))].transpose(0, 1)
 
@@ -284,8 +294,9 @@ def fast_fft_size(n: int) -> int:
 class StochasticPositionalEncoding(PositionalEncoding):
     """The per-layer part of SPE: the gates, and (for a standalone layer) its own codes."""
 
-    def __init__(self, num_heads: int, head_dim: int, num_realizations: int, gated: bool,
-                 codes: SPECodes | None = None):
+    def __init__(
+        self, num_heads: int, head_dim: int, num_realizations: int, gated: bool, codes: SPECodes | None = None
+    ):
         super().__init__()
         self.codes = codes
         self.num_realizations = num_realizations

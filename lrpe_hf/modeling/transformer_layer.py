@@ -15,8 +15,9 @@ class LinearTransformerLayer(GradientCheckpointingLayer):
     def __init__(self, config, pre_norm: bool):
         super().__init__()
         self.pre_norm = pre_norm
-        self.attention = LinearAttention(config.hidden_size, config.num_attention_heads, standalone=False,
-                                         **config.attention_options().to_dict())
+        self.attention = LinearAttention(
+            config.hidden_size, config.num_attention_heads, standalone=False, **config.attention_options().to_dict()
+        )
         self.attention_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.mlp = nn.Sequential(
             nn.Linear(config.hidden_size, config.intermediate_size),

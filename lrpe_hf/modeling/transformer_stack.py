@@ -21,8 +21,9 @@ class LinearTransformerStack(nn.Module):
         head_dim = config.hidden_size // config.num_attention_heads
         is_spe = options.positional_encoding in ("spe_sine", "spe_conv")
         self.spe_codes = build_spe_codes(options, config.num_attention_heads, head_dim) if is_spe else None
-        self.redraw_features = options.attention == "linear" and options.feature_map == "performer" and \
-            options.performer_redraw
+        self.redraw_features = (
+            options.attention == "linear" and options.feature_map == "performer" and options.performer_redraw
+        )
 
     def forward(self, hidden_states, attention_mask=None, position_ids=None, cache=None, output_hidden_states=False):
         """hidden_states (B, N, hidden) -> last hidden states and, if asked, the input of every layer plus the last."""
@@ -39,8 +40,9 @@ class LinearTransformerStack(nn.Module):
             if output_hidden_states:
                 all_hidden_states.append(hidden_states)
             state = cache.states[index] if cache is not None else None
-            hidden_states = layer(hidden_states, attention_mask=attention_mask, position_ids=position_ids, state=state,
-                                  spe_draw=spe_draw)
+            hidden_states = layer(
+                hidden_states, attention_mask=attention_mask, position_ids=position_ids, state=state, spe_draw=spe_draw
+            )
         return hidden_states, all_hidden_states
 
 

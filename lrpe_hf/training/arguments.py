@@ -14,7 +14,9 @@ class ModelArguments:
     model_name_or_path: str | None = field(default=None, metadata={"help": "checkpoint folder or Hub name"})
     config_file: str | None = field(default=None, metadata={"help": "a config.json to build a new model from"})
     tokenizer_name: str | None = field(default=None, metadata={"help": "tokenizer folder or Hub name"})
-    positional_encoding: str | None = field(default=None, metadata={"help": f"one of {', '.join(POSITIONAL_ENCODINGS)}"})
+    positional_encoding: str | None = field(
+        default=None, metadata={"help": f"one of {', '.join(POSITIONAL_ENCODINGS)}"}
+    )
     feature_map: str | None = field(default=None, metadata={"help": f"one of {', '.join(FEATURE_MAPS)}"})
     absolute_position_embedding: str | None = field(default=None, metadata={"help": "none, sinusoidal or learned"})
     attention: str | None = field(default=None, metadata={"help": "linear or softmax"})
@@ -24,13 +26,23 @@ class ModelArguments:
     intermediate_size: int | None = None
     max_position_embeddings: int | None = None
     config_overrides: str | None = field(
-        default=None, metadata={"help": 'JSON of further config fields, e.g. \'{"permute_decay": 0.95}\''})
+        default=None, metadata={"help": "JSON of further config fields, e.g. '{\"permute_decay\": 0.95}'"}
+    )
     trust_remote_code: bool = False
 
     def config_fields(self) -> dict:
         """The config fields given on the command line."""
-        names = ["positional_encoding", "feature_map", "absolute_position_embedding", "attention", "hidden_size",
-                 "num_hidden_layers", "num_attention_heads", "intermediate_size", "max_position_embeddings"]
+        names = [
+            "positional_encoding",
+            "feature_map",
+            "absolute_position_embedding",
+            "attention",
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "intermediate_size",
+            "max_position_embeddings",
+        ]
         fields_ = {name: getattr(self, name) for name in names if getattr(self, name) is not None}
         if self.config_overrides:
             try:

@@ -10,8 +10,9 @@ from datasets import DatasetDict, load_dataset
 EXTENSIONS = {".txt": "text", ".csv": "csv", ".tsv": "csv", ".json": "json", ".jsonl": "json"}
 
 
-def load_files_or_hub(dataset_name=None, dataset_config=None, train_file=None, validation_file=None,
-                      data_dir=None) -> DatasetDict:
+def load_files_or_hub(
+    dataset_name=None, dataset_config=None, train_file=None, validation_file=None, data_dir=None
+) -> DatasetDict:
     """A DatasetDict with "train" and, when given, "validation", from local files or a Hub data set."""
     if dataset_name:
         return load_dataset(dataset_name, dataset_config)
@@ -31,8 +32,9 @@ def load_files_or_hub(dataset_name=None, dataset_config=None, train_file=None, v
             raise FileNotFoundError(f"--{split}_file {path} does not exist")
         suffix = Path(path).suffix.lower()
         if suffix not in EXTENSIONS:
-            raise ValueError(f"--{split}_file {path}: unsupported extension {suffix!r}; use one of "
-                             f"{', '.join(EXTENSIONS)}")
+            raise ValueError(
+                f"--{split}_file {path}: unsupported extension {suffix!r}; use one of {', '.join(EXTENSIONS)}"
+            )
         kinds.add(EXTENSIONS[suffix])
     if len(kinds) > 1:
         raise ValueError(f"train and validation files must have the same format, got {sorted(kinds)}")
@@ -48,8 +50,10 @@ def check_columns(dataset: DatasetDict, columns: list[str]):
     for split, part in dataset.items():
         missing = [c for c in columns if c not in part.column_names]
         if missing:
-            raise ValueError(f"The {split} data has no column {', '.join(map(repr, missing))}; its columns are "
-                             f"{', '.join(part.column_names)}")
+            raise ValueError(
+                f"The {split} data has no column {', '.join(map(repr, missing))}; its columns are "
+                f"{', '.join(part.column_names)}"
+            )
         if len(part) == 0:
             raise ValueError(f"The {split} data is empty")
 
@@ -57,5 +61,7 @@ def check_columns(dataset: DatasetDict, columns: list[str]):
 def check_tokenizer(tokenizer, needed: list[str], purpose: str):
     missing = [name for name in needed if getattr(tokenizer, name, None) is None]
     if missing:
-        raise ValueError(f"The tokenizer has no {', '.join(missing)}, which {purpose} needs; train one with "
-                         "run_scripts/train_tokenizer.py or add the special tokens")
+        raise ValueError(
+            f"The tokenizer has no {', '.join(missing)}, which {purpose} needs; train one with "
+            "run_scripts/train_tokenizer.py or add the special tokens"
+        )

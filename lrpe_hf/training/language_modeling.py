@@ -21,12 +21,24 @@ from .data import check_columns, check_tokenizer, load_files_or_hub
 from .trainer import CardTrainer, finish
 
 KINDS = {
-    "mlm": dict(config=LinearRobertaConfig, model=LinearRobertaForMaskedLM, auto=AutoModelForMaskedLM,
-                needed=["mask_token", "pad_token"], pipeline_tag="fill-mask", auto_name="AutoModelForMaskedLM",
-                what="pretrained with masked language modelling"),
-    "clm": dict(config=LinearGPTConfig, model=LinearGPTForCausalLM, auto=AutoModelForCausalLM,
-                needed=["eos_token"], pipeline_tag="text-generation", auto_name="AutoModelForCausalLM",
-                what="trained as a causal language model"),
+    "mlm": dict(
+        config=LinearRobertaConfig,
+        model=LinearRobertaForMaskedLM,
+        auto=AutoModelForMaskedLM,
+        needed=["mask_token", "pad_token"],
+        pipeline_tag="fill-mask",
+        auto_name="AutoModelForMaskedLM",
+        what="pretrained with masked language modelling",
+    ),
+    "clm": dict(
+        config=LinearGPTConfig,
+        model=LinearGPTForCausalLM,
+        auto=AutoModelForCausalLM,
+        needed=["eos_token"],
+        pipeline_tag="text-generation",
+        auto_name="AutoModelForCausalLM",
+        what="trained as a causal language model",
+    ),
 }
 
 
@@ -45,16 +57,16 @@ class LanguageModelingDataArguments:
 
 def group_into_blocks(dataset, tokenizer, text_column: str, block_size: int):
     """Tokenize every document, concatenate them and cut the stream into blocks of ``block_size`` tokens."""
+
     def tokenize(batch):
         return tokenizer(batch[text_column], return_attention_mask=False)
 
     def group(batch):
         stream = list(chain.from_iterable(batch["input_ids"]))
         usable = len(stream) // block_size * block_size
-        return {"input_ids": [stream[i:i + block_size] for i in range(0, usable, block_size)]}
+        return {"input_ids": [stream[i : i + block_size] for i in range(0, usable, block_size)]}
 
-    tokenized = dataset.map(tokenize, batched=True, remove_columns=dataset["train"].column_names,
-                            desc="Tokenizing")
+    tokenized = dataset.map(tokenize, batched=True, remove_columns=dataset["train"].column_names, desc="Tokenizing")
     return tokenized.map(group, batched=True, batch_size=1000, desc=f"Grouping into blocks of {block_size}")
 
 
@@ -66,8 +78,9 @@ def main(kind: str, args=None):
     set_seed(training_args.seed)
 
     # Everything that can be wrong is checked before any training starts.
-    dataset = load_files_or_hub(data_args.dataset_name, data_args.dataset_config, data_args.train_file,
-                                data_args.validation_file)
+    dataset = load_files_or_hub(
+        data_args.dataset_name, data_args.dataset_config, data_args.train_file, data_args.validation_file
+    )
     check_columns(dataset, [data_args.text_column])
     tokenizer_name = model_args.tokenizer_name or model_args.model_name_or_path
     if not tokenizer_name:
@@ -75,11 +88,15 @@ def main(kind: str, args=None):
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_name)
     check_tokenizer(tokenizer, spec["needed"], "masked language modelling" if kind == "mlm" else "causal LM")
     if model_args.model_name_or_path:
-        model = spec["auto"].from_pretrained(model_args.model_name_or_path,
-                                             trust_remote_code=model_args.trust_remote_code)
+        model = spec["auto"].from_pretrained(
+            model_args.model_name_or_path, trust_remote_code=model_args.trust_remote_code
+        )
     else:
-        special = dict(pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
-                       eos_token_id=tokenizer.eos_token_id)
+        special = dict(
+            pad_token_id=tokenizer.pad_token_id,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+        )
         model = spec["model"](build_config(model_args, spec["config"], vocab_size=len(tokenizer), **special))
     if len(tokenizer) > model.config.vocab_size:
         model.resize_token_embeddings(len(tokenizer))
@@ -99,13 +116,24 @@ def main(kind: str, args=None):
 
     collator = DataCollatorForLanguageModeling(tokenizer, mlm=kind == "mlm", mlm_probability=data_args.mlm_probability)
     source = data_args.dataset_name or data_args.train_file
-    card = dict(task_description=f"{spec['what']} on {source}", auto_class=spec["auto_name"],
-                datasets=[data_args.dataset_name] if data_args.dataset_name else [],
-                training=f"{training_args.num_train_epochs} epochs, blocks of {data_args.block_size} tokens, "
-                         f"learning rate {training_args.learning_rate}, seed {training_args.seed}.",
-                pipeline_tag=spec["pipeline_tag"])
-    trainer = CardTrainer(model=model, args=training_args, train_dataset=train, eval_dataset=evaluation,
-                          data_collator=collator, processing_class=tokenizer, card=card)
+    card = dict(
+        task_description=f"{spec['what']} on {source}",
+        auto_class=spec["auto_name"],
+        datasets=[data_args.dataset_name] if data_args.dataset_name else [],
+        training=f"{training_args.num_train_epochs} epochs, blocks of {data_args.block_size} tokens, "
+        f"learning rate {training_args.learning_rate}, seed {training_args.seed}.",
+        pipeline_tag=spec["pipeline_tag"],
+    )
+    trainer = CardTrainer(
+        model=model,
+        args=training_args,
+        train_dataset=train,
+        eval_dataset=evaluation,
+        data_collator=collator,
+        processing_class=tokenizer,
+        card=card,
+    )
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
-    return finish(trainer, evaluation is not None,
-                  extra_metrics=lambda m: {"eval_perplexity": math.exp(min(m["eval_loss"], 50))})
+    return finish(
+        trainer, evaluation is not None, extra_metrics=lambda m: {"eval_perplexity": math.exp(min(m["eval_loss"], 50))}
+    )

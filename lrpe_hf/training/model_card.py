@@ -11,30 +11,57 @@ TEMPLATES = Path(__file__).resolve().parents[2] / "model_cards"
 def results_table(metrics: dict) -> str:
     if not metrics:
         return "No evaluation was run."
-    rows = [f"| {name} | {value:.4f} |" if isinstance(value, float) else f"| {name} | {value} |"
-            for name, value in sorted(metrics.items())]
+    rows = [
+        f"| {name} | {value:.4f} |" if isinstance(value, float) else f"| {name} | {value} |"
+        for name, value in sorted(metrics.items())
+    ]
     return "\n".join(["| metric | value |", "|---|---|"] + rows)
 
 
-def write_model_card(output_dir, model, *, model_id: str, task_description: str, auto_class: str, metrics: dict,
-                     datasets: list[str], training: str, pipeline_tag: str, license: str = "apache-2.0",
-                     template_dir: Path = TEMPLATES) -> Path:
+def write_model_card(
+    output_dir,
+    model,
+    *,
+    model_id: str,
+    task_description: str,
+    auto_class: str,
+    metrics: dict,
+    datasets: list[str],
+    training: str,
+    pipeline_tag: str,
+    license: str = "apache-2.0",
+    template_dir: Path = TEMPLATES,
+) -> Path:
     """Render ``model_cards/<model_type>.md`` into ``output_dir/README.md`` with Hub metadata."""
     config = model.config
     template = Template((Path(template_dir) / f"{config.model_type}.md").read_text())
     options = config.attention_options()
     data = ModelCardData(
-        license=license, library_name="transformers", pipeline_tag=pipeline_tag, datasets=datasets or None,
-        metrics=sorted({name.removeprefix("eval_") for name in metrics if not name.endswith(("runtime", "per_second"))}),
+        license=license,
+        library_name="transformers",
+        pipeline_tag=pipeline_tag,
+        datasets=datasets or None,
+        metrics=sorted(
+            {name.removeprefix("eval_") for name in metrics if not name.endswith(("runtime", "per_second"))}
+        ),
         tags=["lrpe-hf", config.model_type, f"positional-encoding-{config.positional_encoding}", "linear-attention"],
     )
     body = template.safe_substitute(
-        model_name=model_id.split("/")[-1], model_id=model_id, task_description=task_description,
-        auto_class=auto_class, positional_encoding=config.positional_encoding,
-        feature_map=options.feature_map or "-", attention=config.attention, normalization=options.normalization or "-",
-        absolute_position_embedding=config.absolute_position_embedding, num_hidden_layers=config.num_hidden_layers,
-        hidden_size=config.hidden_size, num_attention_heads=config.num_attention_heads,
-        num_parameters=f"{model.num_parameters():,}", results=results_table(metrics), training=training,
+        model_name=model_id.split("/")[-1],
+        model_id=model_id,
+        task_description=task_description,
+        auto_class=auto_class,
+        positional_encoding=config.positional_encoding,
+        feature_map=options.feature_map or "-",
+        attention=config.attention,
+        normalization=options.normalization or "-",
+        absolute_position_embedding=config.absolute_position_embedding,
+        num_hidden_layers=config.num_hidden_layers,
+        hidden_size=config.hidden_size,
+        num_attention_heads=config.num_attention_heads,
+        num_parameters=f"{model.num_parameters():,}",
+        results=results_table(metrics),
+        training=training,
     )
     card = ModelCard(f"---\n{data.to_yaml()}\n---\n\n{body}")
     path = Path(output_dir) / "README.md"

@@ -16,8 +16,9 @@ def plot_loss_curves(log_history: list[dict], path: Path, title: str = "") -> Pa
     fig, ax = plt.subplots(figsize=(6, 4))
     for points, label in ((train, "train loss"), (evaluation, "eval loss")):
         if points:
-            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o" if len(points) < 30 else None,
-                    label=label)
+            ax.plot(
+                [p[0] for p in points], [p[1] for p in points], marker="o" if len(points) < 30 else None, label=label
+            )
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     ax.set_title(title)

@@ -20,8 +20,11 @@ class CardTrainer(Trainer):
     def create_model_card(self, **kwargs):
         if not self.is_world_process_zero():
             return
-        model_id = self.hub_model_id if getattr(self, "hub_model_id", None) else \
-            (self.args.hub_model_id or Path(self.args.output_dir).name)
+        model_id = (
+            self.hub_model_id
+            if getattr(self, "hub_model_id", None)
+            else (self.args.hub_model_id or Path(self.args.output_dir).name)
+        )
         write_model_card(self.args.output_dir, self.model, model_id=model_id, metrics=self.card_metrics, **self.card)
 
 
@@ -36,11 +39,15 @@ def finish(trainer: CardTrainer, has_evaluation: bool, extra_metrics=None) -> di
             metrics.update(extra_metrics(metrics))
         trainer.log_metrics("eval", metrics)
         trainer.save_metrics("eval", metrics)
-    trainer.card_metrics = {k: v for k, v in metrics.items() if k.startswith("eval_") and "runtime" not in k
-                            and "per_second" not in k}
+    trainer.card_metrics = {
+        k: v for k, v in metrics.items() if k.startswith("eval_") and "runtime" not in k and "per_second" not in k
+    }
     if trainer.is_world_process_zero():
-        plot_loss_curves(trainer.state.log_history, Path(trainer.args.output_dir) / "loss_curves.png",
-                         title=trainer.model.config.model_type)
+        plot_loss_curves(
+            trainer.state.log_history,
+            Path(trainer.args.output_dir) / "loss_curves.png",
+            title=trainer.model.config.model_type,
+        )
         trainer.create_model_card()
     if trainer.args.push_to_hub:
         trainer.push_to_hub()

@@ -57,9 +57,12 @@ class Glue(evaluate.Metric):
         if self.config_name not in CONFIGS:
             raise KeyError(f"Unknown GLUE metric config {self.config_name!r}; valid: {', '.join(CONFIGS)}")
         kind = "float32" if self.config_name in ("stsb", "regression") else "int64"
-        return evaluate.MetricInfo(description=_DESCRIPTION, citation=_CITATION, inputs_description=_INPUTS,
-                                   features=datasets.Features({"predictions": datasets.Value(kind),
-                                                               "references": datasets.Value(kind)}))
+        return evaluate.MetricInfo(
+            description=_DESCRIPTION,
+            citation=_CITATION,
+            inputs_description=_INPUTS,
+            features=datasets.Features({"predictions": datasets.Value(kind), "references": datasets.Value(kind)}),
+        )
 
     def _compute(self, predictions, references):
         p, r = np.asarray(predictions), np.asarray(references)
