@@ -454,3 +454,13 @@ def test_push_to_hub_then_load_by_name_in_a_fresh_process(mlm_checkpoint, worksp
     result = subprocess.run([sys.executable, "-c", HUB_LOAD], capture_output=True, text=True, env=env, cwd=workspace)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip().splitlines()[-1] in ("negative", "neutral", "positive")
+
+
+def test_malformed_data_file_stops_with_a_clear_message(workspace, mlm_checkpoint):
+    broken = workspace / "broken.json"
+    broken.write_text('{"sentence": "a cat", "label": 1}\n{"sentence": "a dog", "label": \n')
+    with pytest.raises(ValueError, match="Could not read .*broken.json as json"):
+        run_glue.main(
+            ["--model_name_or_path", str(mlm_checkpoint), "--train_file", str(broken), "--output_dir",
+             str(workspace / "bad"), *QUIET]
+        )
