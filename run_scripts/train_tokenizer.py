@@ -69,7 +69,10 @@ def train_tokenizer(args: TokenizerArguments) -> PreTrainedTokenizerFast:
         ("</s>", bpe.token_to_id("</s>")), ("<s>", bpe.token_to_id("<s>"))
     )
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=bpe._tokenizer, model_max_length=args.model_max_length, **SPECIAL_TOKENS
+        tokenizer_object=bpe._tokenizer,
+        model_max_length=args.model_max_length,
+        model_input_names=["input_ids", "attention_mask"],  # one segment type, as RoBERTa
+        **SPECIAL_TOKENS,
     )
     tokenizer.save_pretrained(args.output_dir)
     return tokenizer

@@ -329,3 +329,11 @@ def test_checkpoint_loads_as_remote_code_without_lrpe_hf(family, tmp_path):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "remote ok" in result.stdout
+
+
+def test_token_type_ids_are_checked_not_ignored():
+    model = LinearRobertaForSequenceClassification(roberta_config()).eval()
+    ids = text_batch()
+    torch.testing.assert_close(model(ids, token_type_ids=torch.zeros_like(ids)).logits, model(ids).logits)
+    with pytest.raises(ValueError, match="no token type embeddings"):
+        model(ids, token_type_ids=torch.ones_like(ids))

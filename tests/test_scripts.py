@@ -461,6 +461,13 @@ def test_malformed_data_file_stops_with_a_clear_message(workspace, mlm_checkpoin
     broken.write_text('{"sentence": "a cat", "label": 1}\n{"sentence": "a dog", "label": \n')
     with pytest.raises(ValueError, match="Could not read .*broken.json as json"):
         run_glue.main(
-            ["--model_name_or_path", str(mlm_checkpoint), "--train_file", str(broken), "--output_dir",
-             str(workspace / "bad"), *QUIET]
+            [
+                "--model_name_or_path",
+                str(mlm_checkpoint),
+                "--train_file",
+                str(broken),
+                "--output_dir",
+                str(workspace / "bad"),
+                *QUIET,
+            ]
         )

@@ -17,7 +17,7 @@ from transformers.utils import can_return_tuple
 from .cache import LinearAttentionCache
 from .configuration_linear_gpt import LinearGPTConfig
 from .positional_absolute import build_absolute_position_embedding
-from .transformer_stack import LinearPreTrainedModel, LinearTransformerStack
+from .transformer_stack import LinearPreTrainedModel, LinearTransformerStack, check_single_segment
 
 
 class LinearGPTPreTrainedModel(LinearPreTrainedModel):
@@ -54,6 +54,7 @@ class LinearGPTModel(LinearGPTPreTrainedModel):
         self,
         input_ids=None,
         attention_mask=None,
+        token_type_ids=None,
         position_ids=None,
         past_key_values=None,
         inputs_embeds=None,
@@ -62,6 +63,7 @@ class LinearGPTModel(LinearGPTPreTrainedModel):
         **kwargs,
     ) -> BaseModelOutputWithPast:
         """input_ids (B, N); attention_mask (B, past + N) or (B, N), 1 for tokens, 0 for padding."""
+        check_single_segment(token_type_ids)
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of input_ids and inputs_embeds")
         hidden_states = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
@@ -127,6 +129,7 @@ class LinearGPTForCausalLM(LinearGPTPreTrainedModel, GenerationMixin):
         self,
         input_ids=None,
         attention_mask=None,
+        token_type_ids=None,
         position_ids=None,
         past_key_values=None,
         inputs_embeds=None,
@@ -140,6 +143,7 @@ class LinearGPTForCausalLM(LinearGPTPreTrainedModel, GenerationMixin):
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
+            token_type_ids=token_type_ids,
             position_ids=position_ids,
             past_key_values=past_key_values,
             inputs_embeds=inputs_embeds,
@@ -171,6 +175,7 @@ class LinearGPTForSequenceClassification(LinearGPTPreTrainedModel):
         self,
         input_ids=None,
         attention_mask=None,
+        token_type_ids=None,
         position_ids=None,
         inputs_embeds=None,
         labels=None,
@@ -180,6 +185,7 @@ class LinearGPTForSequenceClassification(LinearGPTPreTrainedModel):
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
+            token_type_ids=token_type_ids,
             position_ids=position_ids,
             inputs_embeds=inputs_embeds,
             use_cache=False,

@@ -19,7 +19,7 @@ from transformers.utils import can_return_tuple
 
 from .configuration_linear_roberta import LinearRobertaConfig
 from .positional_absolute import build_absolute_position_embedding
-from .transformer_stack import LinearPreTrainedModel, LinearTransformerStack
+from .transformer_stack import LinearPreTrainedModel, LinearTransformerStack, check_single_segment
 
 
 class LinearRobertaPreTrainedModel(LinearPreTrainedModel):
@@ -51,12 +51,14 @@ class LinearRobertaModel(LinearRobertaPreTrainedModel):
         self,
         input_ids=None,
         attention_mask=None,
+        token_type_ids=None,
         position_ids=None,
         inputs_embeds=None,
         output_hidden_states=None,
         **kwargs,
     ) -> BaseModelOutput:
         """input_ids (B, N); attention_mask (B, N), 1 for tokens, 0 for padding. Positions count real tokens."""
+        check_single_segment(token_type_ids)
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of input_ids and inputs_embeds")
         hidden_states = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
@@ -106,6 +108,7 @@ class LinearRobertaForMaskedLM(LinearRobertaPreTrainedModel):
         self,
         input_ids=None,
         attention_mask=None,
+        token_type_ids=None,
         position_ids=None,
         inputs_embeds=None,
         labels=None,
@@ -116,6 +119,7 @@ class LinearRobertaForMaskedLM(LinearRobertaPreTrainedModel):
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
+            token_type_ids=token_type_ids,
             position_ids=position_ids,
             inputs_embeds=inputs_embeds,
             output_hidden_states=output_hidden_states,
@@ -163,6 +167,7 @@ class LinearRobertaForSequenceClassification(LinearRobertaPreTrainedModel):
         self,
         input_ids=None,
         attention_mask=None,
+        token_type_ids=None,
         position_ids=None,
         inputs_embeds=None,
         labels=None,
@@ -173,6 +178,7 @@ class LinearRobertaForSequenceClassification(LinearRobertaPreTrainedModel):
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
+            token_type_ids=token_type_ids,
             position_ids=position_ids,
             inputs_embeds=inputs_embeds,
             output_hidden_states=output_hidden_states,
@@ -199,6 +205,7 @@ class LinearRobertaForTokenClassification(LinearRobertaPreTrainedModel):
         self,
         input_ids=None,
         attention_mask=None,
+        token_type_ids=None,
         position_ids=None,
         inputs_embeds=None,
         labels=None,
@@ -209,6 +216,7 @@ class LinearRobertaForTokenClassification(LinearRobertaPreTrainedModel):
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
+            token_type_ids=token_type_ids,
             position_ids=position_ids,
             inputs_embeds=inputs_embeds,
             output_hidden_states=output_hidden_states,
@@ -232,6 +240,7 @@ class LinearRobertaForQuestionAnswering(LinearRobertaPreTrainedModel):
         self,
         input_ids=None,
         attention_mask=None,
+        token_type_ids=None,
         position_ids=None,
         inputs_embeds=None,
         start_positions=None,
@@ -243,6 +252,7 @@ class LinearRobertaForQuestionAnswering(LinearRobertaPreTrainedModel):
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
+            token_type_ids=token_type_ids,
             position_ids=position_ids,
             inputs_embeds=inputs_embeds,
             output_hidden_states=output_hidden_states,

@@ -46,6 +46,15 @@ class LinearTransformerStack(nn.Module):
         return hidden_states, all_hidden_states
 
 
+def check_single_segment(token_type_ids):
+    """The text models have one segment type (as RoBERTa): all-zero token_type_ids are accepted, others refused."""
+    if token_type_ids is not None and bool(token_type_ids.ne(0).any()):
+        raise ValueError(
+            "These models have no token type embeddings (one segment type, as RoBERTa): token_type_ids must be "
+            "all zeros or left out; sentence pairs are told apart by the separator tokens"
+        )
+
+
 class LinearPreTrainedModel(PreTrainedModel):
     """Weight initialisation and capabilities shared by the three families."""
 
