@@ -163,11 +163,8 @@ class LinearAttention(nn.Module):
             if dims == 1 and positions.dim() == 2:
                 positions = positions[..., None]
             if positions.dim() != 3 or positions.shape[1:] != (num_tokens, dims):
-                raise ValueError(
-                    f"position_ids must have shape (batch, {num_tokens})"
-                    + (" " if dims == 1 else f" ... (batch, {num_tokens}, 2) with (row, col)")
-                    + f"; got {tuple(position_ids.shape)}"
-                )
+                expected = f"(batch, {num_tokens})" if dims == 1 else f"(batch, {num_tokens}, 2) with (row, col)"
+                raise ValueError(f"position_ids must have shape {expected}; got {tuple(position_ids.shape)}")
             return positions.expand(batch_size, -1, -1).long()
         if dims == 2:
             if self.options.positional_encoding == "none":
