@@ -252,7 +252,7 @@ def reference_attention(layer, x, mask=None, positions=None, spe_draw=None):
                             lag_a = pos[s][a] - pos[t][a]
                             if o.causal and lag_a < 0:
                                 continue
-                            bias += float(pe.weights[a, h, o.max_positions - 1 + lag_a])
+                            bias += float(pe.weights[a, h, o.max_positions - 1 + lag_a].detach())
                         oh[s] += bias * vh[t]
             out[b, :, h] = oh
     out = out * mask[:, :, None, None]
