@@ -122,3 +122,24 @@ def test_unsupported_generation_modes_raise():
 
     with pytest.raises(ValueError, match="LinearAttentionCache"):
         model(prompt(), past_key_values=DynamicCache(), use_cache=True)
+
+
+def test_fastrpb_history_mixing_grad_and_no_grad_steps():
+    """The history buffer grows by doubling without autograd and concatenates with it; mixing both is exact."""
+    from lrpe_hf import LinearAttention, LinearAttentionState
+
+    torch.manual_seed(0)
+    layer = LinearAttention(
+        16, 2, positional_encoding="fastrpb", causal=True, max_positions=256, fastrpb_init_std=0.3
+    ).eval()
+    x = torch.randn(1, 150, 16)
+    full = layer(x)
+    state = LinearAttentionState()
+    pieces = []
+    for t in range(150):
+        if t % 3 == 0:
+            pieces.append(layer(x[:, t : t + 1], state=state))
+        else:
+            with torch.no_grad():
+                pieces.append(layer(x[:, t : t + 1], state=state))
+    torch.testing.assert_close(torch.cat(pieces, dim=1), full, atol=1e-5, rtol=1e-5)

@@ -53,8 +53,34 @@ class LinearAttentionState:
     key_max: torch.Tensor | None = None
     values: torch.Tensor | None = None
     value_positions: torch.Tensor | None = None
+    history_length: int = 0
     keys: torch.Tensor | None = None
     key_mask: torch.Tensor | None = None
+
+    def append_history(self, values: torch.Tensor, positions: torch.Tensor):
+        """FastRPB's history: append values (B, H, n, d) and positions (B, n, A), return all of it so far.
+
+        Without autograd (generation) the storage doubles when full, so each step copies only its own tokens.
+        """
+        if torch.is_grad_enabled():  # keep autograd's saved tensors intact: no writes into shared storage
+            if self.values is not None:
+                values = torch.cat([self.values[:, :, : self.history_length], values], dim=2)
+                positions = torch.cat([self.value_positions[:, : self.history_length], positions], dim=1)
+            self.values, self.value_positions, self.history_length = values, positions, values.shape[2]
+            return values, positions
+        end = self.history_length + values.shape[2]
+        if self.values is None or end > self.values.shape[2]:
+            capacity = max(64, 2 * end)
+            grown = values.new_zeros(values.shape[:2] + (capacity,) + values.shape[3:])
+            grown_positions = positions.new_zeros(positions.shape[0], capacity, positions.shape[2])
+            if self.values is not None:
+                grown[:, :, : self.history_length] = self.values[:, :, : self.history_length]
+                grown_positions[:, : self.history_length] = self.value_positions[:, : self.history_length]
+            self.values, self.value_positions = grown, grown_positions
+        self.values[:, :, self.history_length : end] = values
+        self.value_positions[:, self.history_length : end] = positions
+        self.history_length = end
+        return self.values[:, :, :end], self.value_positions[:, :end]
 
     def reorder(self, index: torch.Tensor):
         """Select batch rows (beam search)."""
@@ -343,10 +369,7 @@ class LinearAttention(nn.Module):
             v = v.masked_fill(~mask[:, None, :, None], 0.0)
         key_values, key_positions = v, positions
         if state is not None and self.options.attention == "linear":
-            if state.values is not None:
-                key_values = torch.cat([state.values, v], dim=2)
-                key_positions = torch.cat([state.value_positions, positions], dim=1)
-            state.values, state.value_positions = key_values, key_positions
+            key_values, key_positions = state.append_history(v, positions)
         elif state is not None:  # the softmax state already holds every value and position
             key_values, key_positions = (
                 state.values.masked_fill(~state.key_mask[:, None, :, None], 0.0),
