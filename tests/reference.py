@@ -84,6 +84,12 @@ def p_matrix(pe, head, m):
         return torch.eye(m, dtype=torch.float64)
     if name == "HouseholderReflection":
         return householder(p.vector[head].detach())
+    if name == "DCTMatrix":  # orthonormal DCT-II from its formula
+        k = torch.arange(m, dtype=torch.float64)[:, None]
+        n = torch.arange(m, dtype=torch.float64)[None, :]
+        scale = torch.full((m, 1), math.sqrt(2 / m), dtype=torch.float64)
+        scale[0] = math.sqrt(1 / m)
+        return scale * torch.cos(math.pi * (2 * n + 1) * k / (2 * m))
     if name == "OddEvenPermutation":  # y[2k] = x[k], y[2k+1] = x[ceil(m/2) + k]
         half = m - m // 2
         perm = [i // 2 if i % 2 == 0 else half + (i - 1) // 2 for i in range(m)]

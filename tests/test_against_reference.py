@@ -72,7 +72,7 @@ def test_other_normalizations(encoding, normalization, causal):
     check(layer, *padded_inputs(causal))
 
 
-@pytest.mark.parametrize("p_matrix", ["identity", "odd_even", "householder"])
+@pytest.mark.parametrize("p_matrix", ["identity", "odd_even", "householder", "dct"])
 @pytest.mark.parametrize("encoding", ["lrpe_unitary", "lrpe_orthogonal", "lrpe_permutation"])
 def test_lrpe_p_matrices(encoding, p_matrix):
     layer = make_layer(encoding, lrpe_p_matrix=p_matrix, lrpe_learnable_p=True, causal=True, chunk_size=5)

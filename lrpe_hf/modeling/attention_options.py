@@ -18,7 +18,7 @@ POSITIONAL_ENCODINGS = (
 ABSOLUTE_POSITION_EMBEDDINGS = ("none", "sinusoidal", "learned")
 ATTENTION_KINDS = ("linear", "softmax")
 NORMALIZATIONS = ("denominator", "unrotated_denominator", "output_norm")
-LRPE_P_MATRICES = ("householder", "identity", "odd_even")
+LRPE_P_MATRICES = ("householder", "identity", "odd_even", "dct")
 
 # Encodings whose transformed features can be negative (rotations): a plain denominator could vanish.
 SIGNED_FEATURE_ENCODINGS = ("rope", "lrpe_unitary", "lrpe_orthogonal", "lrpe_permutation")

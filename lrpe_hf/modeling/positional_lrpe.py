@@ -9,9 +9,12 @@ Lambda(s) P only. Three solutions for Lambda(s):
   like RoPE (q = 0 identity block).
 - permutation (Type 3, eq. 24): P_pi^s with a fixed random permutation pi per head.
 
-P is per head: identity, Householder (I - 2 v v^T / v^T v, v fixed or learnable) or the odd/even
-permutation of eq. 74. Angles are initialised to 10000^(-2i/m) as in Appendix D.
+P is per head: identity, Householder (I - 2 v v^T / v^T v, v fixed or learnable), the odd/even
+permutation of eq. 74, or the orthonormal DCT-II (a real stand-in for the Fourier P of Appendix D).
+Angles are initialised to 10000^(-2i/m) as in Appendix D.
 """
+
+import math
 
 import torch
 from torch import nn
@@ -51,14 +54,35 @@ class OddEvenPermutation(nn.Module):
         return x[..., self.source]
 
 
+class DCTMatrix(nn.Module):
+    """The orthonormal DCT-II matrix, a real orthogonal P: y[k] = sum_n C[k, n] x[n],
+    C[k, n] = sqrt(2/m) cos(pi (2n + 1) k / (2m)), row 0 scaled by 1/sqrt(2)."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        rows = [
+            [
+                math.sqrt((1 if k == 0 else 2) / dim) * math.cos(math.pi * (2 * n + 1) * k / (2 * dim))
+                for n in range(dim)
+            ]
+            for k in range(dim)
+        ]
+        self.register_buffer("matrix", torch.tensor(rows, dtype=torch.float32))
+
+    def forward(self, x):
+        return x @ self.matrix.to(x.dtype).T
+
+
 def build_p_matrix(kind: str, num_heads: int, dim: int, learnable: bool) -> nn.Module:
     if kind == "householder":
         return HouseholderReflection(num_heads, dim, learnable)
     if kind == "odd_even":
         return OddEvenPermutation(dim)
+    if kind == "dct":
+        return DCTMatrix(dim)
     if kind == "identity":
         return nn.Identity()
-    raise ValueError(f"Unknown lrpe_p_matrix {kind!r}; valid: householder, identity, odd_even")
+    raise ValueError(f"Unknown lrpe_p_matrix {kind!r}; valid: householder, identity, odd_even, dct")
 
 
 class LRPEUnitary(PositionalEncoding):
