@@ -15,6 +15,7 @@ regression.
 """
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 from datasets import DatasetDict
@@ -32,6 +33,8 @@ from lrpe_hf.training.arguments import ModelArguments, build_config
 from lrpe_hf.training.data import check_columns, check_tokenizer, load_files_or_hub
 from lrpe_hf.training.metrics import GLUE_TASKS, load_glue_metric
 from lrpe_hf.training.trainer import CardTrainer, finish
+
+MODEL_CARDS = Path(__file__).resolve().parents[1] / "model_cards"
 
 TASK_KEYS = {
     "cola": ("sentence", None),
@@ -160,6 +163,7 @@ def main(args=None):
 
     source = f"GLUE {data_args.task_name}" if data_args.task_name else data_args.train_file
     card = dict(
+        template_dir=MODEL_CARDS,
         task_description=f"fine-tuned for sequence classification on {source}",
         auto_class="AutoModelForSequenceClassification",
         datasets=["nyu-mll/glue"] if data_args.task_name else [],

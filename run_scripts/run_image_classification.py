@@ -9,6 +9,7 @@ Preprocessing is a Transformers ``ViTImageProcessor`` (resize, rescale, normalis
 """
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -26,6 +27,8 @@ from lrpe_hf.training.arguments import ModelArguments, build_config
 from lrpe_hf.training.data import check_columns, load_files_or_hub
 from lrpe_hf.training.metrics import load_glue_metric
 from lrpe_hf.training.trainer import CardTrainer, finish
+
+MODEL_CARDS = Path(__file__).resolve().parents[1] / "model_cards"
 
 
 @dataclass
@@ -116,6 +119,7 @@ def main(args=None):
 
     source = data_args.dataset_name or data_args.data_dir
     card = dict(
+        template_dir=MODEL_CARDS,
         task_description=f"trained for image classification on {source}",
         auto_class="AutoModelForImageClassification",
         pipeline_tag="image-classification",

@@ -18,6 +18,7 @@ from transformers import (
 from .. import LinearGPTConfig, LinearGPTForCausalLM, LinearRobertaConfig, LinearRobertaForMaskedLM
 from .arguments import ModelArguments, build_config
 from .data import check_columns, check_tokenizer, load_files_or_hub
+from .model_card import TEMPLATES
 from .trainer import CardTrainer, finish
 
 KINDS = {
@@ -70,11 +71,14 @@ def group_into_blocks(dataset, tokenizer, text_column: str, block_size: int):
     return tokenized.map(group, batched=True, batch_size=1000, desc=f"Grouping into blocks of {block_size}")
 
 
-def main(kind: str, args=None):
+def main(kind: str, args=None, template_dir=None):
+    """Masked ("mlm") or causal ("clm") language-model training; ``template_dir`` holds the model-card
+    templates (default: model_cards/ of the source tree)."""
     spec = KINDS[kind]
     parser = HfArgumentParser((ModelArguments, LanguageModelingDataArguments, TrainingArguments))
     model_args, data_args, training_args = parser.parse_args_into_dataclasses(args=args)
-    transformers.utils.logging.set_verbosity_info() if training_args.should_log else None
+    if training_args.should_log:
+        transformers.utils.logging.set_verbosity_info()
     set_seed(training_args.seed)
 
     # Everything that can be wrong is checked before any training starts.
@@ -117,6 +121,7 @@ def main(kind: str, args=None):
     collator = DataCollatorForLanguageModeling(tokenizer, mlm=kind == "mlm", mlm_probability=data_args.mlm_probability)
     source = data_args.dataset_name or data_args.train_file
     card = dict(
+        template_dir=template_dir or TEMPLATES,
         task_description=f"{spec['what']} on {source}",
         auto_class=spec["auto_name"],
         datasets=[data_args.dataset_name] if data_args.dataset_name else [],
