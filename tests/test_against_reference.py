@@ -89,20 +89,7 @@ def test_chunk_sizes_that_do_and_do_not_divide_the_length(encoding, feature_map,
 
 
 @pytest.mark.parametrize("attention", ["linear", "softmax"])
-@pytest.mark.parametrize(
-    "encoding",
-    [
-        "none",
-        "rope",
-        "lrpe_unitary",
-        "lrpe_orthogonal",
-        "lrpe_permutation",
-        "permute",
-        "spe_sine",
-        "spe_conv",
-        "fastrpb",
-    ],
-)
+@pytest.mark.parametrize("encoding", POSITIONAL_ENCODINGS)  # every encoding has a 2D form
 def test_2d_encodings_match_quadratic_formula(encoding, attention):
     layer = make_layer(encoding, position_dims=2, attention=attention, max_positions=8)
     g = torch.Generator().manual_seed(3)

@@ -222,12 +222,14 @@ class LinearAttention(nn.Module):
         if self.standalone and self.training and self.options.performer_redraw:
             self.feature_map.redraw_projection()
         q, k, v = (self.split_heads(proj(hidden_states)) for proj in (self.q_proj, self.k_proj, self.v_proj))
+        if mask is not None:  # padded values contribute nothing, in every path (and in saved states)
+            v = v.masked_fill(~mask[:, None, :, None], 0.0)
         q, k = self.positional_encoding.encode_query_key(q, k, positions, spe_draw)
         if self.options.attention == "softmax":
             out = self.softmax_attention(q, k, v, mask, positions, state)
         else:
             out = self.linear_attention(q, k, v, mask, positions, state)
-        out = self.add_value_bias(out, v, mask, positions, state)
+        out = self.add_value_bias(out, v, positions, state)
         if mask is not None:
             out = out.masked_fill(~mask[:, None, :, None], 0.0)
         if state is not None:
@@ -292,8 +294,6 @@ class LinearAttention(nn.Module):
         if position_gates is not None:
             gates = position_gates if gates is None else gates + position_gates
         tq, tk = self.positional_encoding.encode_features(fq, fk, positions)
-        if mask is not None:
-            v = v.masked_fill(~mask[:, None, :, None], 0.0)
         if o.normalization == "denominator":
             ones = torch.ones_like(v[..., :1])
             if mask is not None:
@@ -361,18 +361,13 @@ class LinearAttention(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
 
     # ------------------------------------------------------------------ FastRPB
-    def add_value_bias(self, out, v, mask, positions, state):
+    def add_value_bias(self, out, v, positions, state):
         encoding = self.positional_encoding
         if not isinstance(encoding, FastRelativePositionBias):
             return out
-        if mask is not None:
-            v = v.masked_fill(~mask[:, None, :, None], 0.0)
         key_values, key_positions = v, positions
         if state is not None and self.options.attention == "linear":
             key_values, key_positions = state.append_history(v, positions)
-        elif state is not None:  # the softmax state already holds every value and position
-            key_values, key_positions = (
-                state.values.masked_fill(~state.key_mask[:, None, :, None], 0.0),
-                state.value_positions,
-            )
+        elif state is not None:  # the softmax state already holds every (masked) value and position
+            key_values, key_positions = state.values, state.value_positions
         return out + encoding.value_bias(key_values, key_positions, positions, self.options.causal)
