@@ -1,18 +1,14 @@
 """lrpe-hf: linear-attention transformers with relative positional encodings for Hugging Face Transformers."""
 
-from .modeling.attention_options import (
-    ABSOLUTE_POSITION_EMBEDDINGS,
-    NORMALIZATIONS,
-    POSITIONAL_ENCODINGS,
-    AttentionOptions,
-)
+from .modeling.attention_options import ABSOLUTE_POSITION_EMBEDDINGS, AttentionOptions
+from .modeling.attention_state import LinearAttentionState
 from .modeling.cache import LinearAttentionCache
 from .modeling.configuration_linear_attention import LinearAttentionConfig
 from .modeling.configuration_linear_gpt import LinearGPTConfig
 from .modeling.configuration_linear_roberta import LinearRobertaConfig
 from .modeling.configuration_linear_vit import LinearViTConfig
-from .modeling.feature_maps import FEATURE_MAPS, build_feature_map
-from .modeling.linear_attention import LinearAttention, LinearAttentionState, build_spe_codes
+from .modeling.feature_maps import ExponentialFeatureMap, FeatureMap
+from .modeling.linear_attention import LinearAttention
 from .modeling.modeling_linear_gpt import (
     LinearGPTForCausalLM,
     LinearGPTForSequenceClassification,
@@ -29,6 +25,16 @@ from .modeling.modeling_linear_roberta import (
 )
 from .modeling.modeling_linear_vit import LinearViTForImageClassification, LinearViTModel, LinearViTPreTrainedModel
 from .modeling.positional_absolute import LearnedPositionEmbedding, SinusoidalPositionEmbedding
+from .modeling.positional_encoding import PositionalEncoding
+from .modeling.registry import (
+    FEATURE_MAPS,
+    LRPE_P_MATRICES,
+    NORMALIZATIONS,
+    POSITIONAL_ENCODINGS,
+    register_feature_map,
+    register_lrpe_p_matrix,
+    register_positional_encoding,
+)
 from .registration import register_all
 
 register_all()
@@ -36,11 +42,17 @@ register_all()
 __all__ = [
     "ABSOLUTE_POSITION_EMBEDDINGS",
     "FEATURE_MAPS",
+    "LRPE_P_MATRICES",
     "NORMALIZATIONS",
     "POSITIONAL_ENCODINGS",
     "AttentionOptions",
+    "ExponentialFeatureMap",
+    "FeatureMap",
+    "LearnedPositionEmbedding",
+    "LinearAttention",
     "LinearAttentionCache",
     "LinearAttentionConfig",
+    "LinearAttentionState",
     "LinearGPTConfig",
     "LinearGPTForCausalLM",
     "LinearGPTForSequenceClassification",
@@ -57,10 +69,9 @@ __all__ = [
     "LinearViTForImageClassification",
     "LinearViTModel",
     "LinearViTPreTrainedModel",
-    "LearnedPositionEmbedding",
-    "LinearAttention",
-    "LinearAttentionState",
+    "PositionalEncoding",
     "SinusoidalPositionEmbedding",
-    "build_feature_map",
-    "build_spe_codes",
+    "register_feature_map",
+    "register_lrpe_p_matrix",
+    "register_positional_encoding",
 ]

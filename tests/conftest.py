@@ -1,12 +1,20 @@
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
+from lrpe_hf import LinearAttention
 
-from lrpe_hf import LinearAttention  # noqa: E402
+# Every encoding is tested with elu and with this second map; together they cover all five maps.
+SECOND_FEATURE_MAP = {
+    "none": "exp",
+    "rope": "performer",
+    "lrpe_unitary": "relu",
+    "lrpe_orthogonal": "exp",
+    "lrpe_permutation": "dpfp",
+    "permute": "relu",
+    "spe_sine": "exp",
+    "spe_conv": "performer",
+    "fastrpb": "exp",
+}
 
 SMALL = dict(spe_realizations=4, spe_sines=2, spe_kernel_size=3, max_positions=64, eps=1e-12)
 

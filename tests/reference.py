@@ -189,7 +189,7 @@ def spe_codes(layer, draw, positions, head, is_query):
 
 
 # ---------------------------------------------------------------- attention
-def reference_attention(layer, x, mask=None, positions=None, spe_draw=None):
+def reference_attention(layer, x, mask=None, positions=None, shared_draw=None):
     """x (B, N, hidden); mask (B, N) bool; positions (B, N, A) int. Returns (B, N, hidden) float64."""
     o = layer.options
     B, N, _ = x.shape
@@ -213,7 +213,7 @@ def reference_attention(layer, x, mask=None, positions=None, spe_draw=None):
             qh, kh, vh = q[b, :, h], k[b, :, h], v[b, :, h]
             if o.positional_encoding in ("spe_sine", "spe_conv"):
                 D_, R = D, o.spe_realizations
-                qc, kc = spe_codes(layer, spe_draw, pos, h, True), spe_codes(layer, spe_draw, pos, h, False)
+                qc, kc = spe_codes(layer, shared_draw, pos, h, True), spe_codes(layer, shared_draw, pos, h, False)
                 qh = torch.einsum("nd,ndr->nr", qh, qc) / (D_ * R) ** 0.25
                 kh = torch.einsum("nd,ndr->nr", kh, kc) / (D_ * R) ** 0.25
             if o.attention == "linear":
@@ -231,7 +231,7 @@ def reference_attention(layer, x, mask=None, positions=None, spe_draw=None):
             lag = torch.tensor([[pos[s][0] - pos[t][0] for t in range(N)] for s in range(N)], dtype=torch.float64)
             r = float(decays[h]) if decays is not None and o.causal else 1.0
             if o.attention == "softmax":
-                width = tq.shape[-1] * (2 if o.positional_encoding == "lrpe_unitary" else 1)
+                width = qh.shape[-1]  # the width of the queries the encoding transforms (R after SPE)
                 logits = scores / math.sqrt(width) + math.log(r) * lag.clamp(min=0)
                 logits = logits.masked_fill(~allowed, float("-inf"))
                 if not allowed.any(-1).all():

@@ -2,23 +2,10 @@
 
 import pytest
 import torch
-from conftest import make_layer
+from conftest import SECOND_FEATURE_MAP, make_layer
 from reference import reference_attention
 
 from lrpe_hf import POSITIONAL_ENCODINGS
-
-SECOND_FEATURE_MAP = {  # every encoding runs with elu and one more map; together they cover all five maps
-    "none": "exp",
-    "rope": "performer",
-    "lrpe_unitary": "relu",
-    "lrpe_orthogonal": "exp",
-    "lrpe_permutation": "dpfp",
-    "permute": "relu",
-    "spe_sine": "exp",
-    "spe_conv": "performer",
-    "fastrpb": "exp",
-}
-
 
 def padded_inputs(causal, batch=2, tokens=11, hidden=16, seed=0):
     """Row 0 full; row 1 padded on the left (causal) or on the right (bidirectional)."""
@@ -33,9 +20,9 @@ def padded_inputs(causal, batch=2, tokens=11, hidden=16, seed=0):
 
 
 def check(layer, x, mask, positions=None, atol=1e-8):
-    draw = layer.positional_encoding.codes.draw() if getattr(layer.positional_encoding, "codes", None) else None
-    got = layer(x, attention_mask=mask, position_ids=positions, spe_draw=draw)
-    want = reference_attention(layer, x, mask, positions, spe_draw=draw)
+    draw = layer.shared_codes.draw() if layer.shared_codes is not None else None
+    got = layer(x, attention_mask=mask, position_ids=positions, shared_draw=draw)
+    want = reference_attention(layer, x, mask, positions, shared_draw=draw)
     torch.testing.assert_close(got, want, atol=atol, rtol=1e-6)
 
 

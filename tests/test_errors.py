@@ -5,6 +5,7 @@ import torch
 
 import lrpe_hf
 from lrpe_hf import LinearAttention, LinearAttentionState
+from lrpe_hf.modeling.registry import positional_encoding_entry
 
 
 def test_public_name_lists():
@@ -79,25 +80,10 @@ def test_bad_inputs():
 
 def test_shared_spe_codes_need_a_draw():
     layer = LinearAttention(16, 2, positional_encoding="spe_sine", standalone=False)
-    with pytest.raises(ValueError, match="spe_draw"):
+    with pytest.raises(ValueError, match="shared_draw"):
         layer(torch.randn(1, 4, 16))
-    codes = lrpe_hf.build_spe_codes(layer.options, 2, 8)
-    assert layer(torch.randn(1, 4, 16), spe_draw=codes.draw()).shape == (1, 4, 16)
-
-
-def test_config_attention_fields_agree_with_attention_options():
-    """The configs expose every option of the layer, with the same defaults (``eps`` is ``attention_eps``)."""
-    from dataclasses import fields
-
-    from lrpe_hf import AttentionOptions, LinearAttentionConfig
-
-    config_defaults = {f.name: f.default for f in fields(LinearAttentionConfig)}
-    model_determined = {"causal", "position_dims", "max_positions", "positional_encoding"}
-    for option in fields(AttentionOptions):
-        if option.name in model_determined:
-            continue
-        name = "attention_eps" if option.name == "eps" else option.name
-        assert config_defaults[name] == option.default, name
+    codes = positional_encoding_entry("spe_sine").build_shared(layer.options, 2, 8)
+    assert layer(torch.randn(1, 4, 16), shared_draw=codes.draw()).shape == (1, 4, 16)
 
 
 def test_standalone_layer_redraws_performer_features_in_training():

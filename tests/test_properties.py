@@ -2,12 +2,11 @@
 
 import pytest
 import torch
-from conftest import make_layer
+from conftest import SECOND_FEATURE_MAP, make_layer
 
 from lrpe_hf import POSITIONAL_ENCODINGS, LinearAttentionState
 
 RELATIVE = ["none", "rope", "lrpe_unitary", "lrpe_orthogonal", "lrpe_permutation", "permute", "fastrpb"]
-FEATURE_MAPS = {"rope": "exp", "permute": "relu", "spe_conv": "performer", "lrpe_permutation": "dpfp"}
 
 
 def inputs(batch=2, tokens=13, hidden=16, seed=0):
@@ -15,16 +14,15 @@ def inputs(batch=2, tokens=13, hidden=16, seed=0):
 
 
 def run(layer, x, **kwargs):
-    pe = layer.positional_encoding
-    if getattr(pe, "codes", None) is not None:
-        kwargs.setdefault("spe_draw", pe.codes.draw())
+    if layer.shared_codes is not None:
+        kwargs.setdefault("shared_draw", layer.shared_codes.draw())
     return layer(x, **kwargs)
 
 
 @pytest.mark.parametrize("attention", ["linear", "softmax"])
 @pytest.mark.parametrize("encoding", POSITIONAL_ENCODINGS)
 def test_token_by_token_decoding_equals_full_forward(encoding, attention):
-    feature_map = FEATURE_MAPS.get(encoding, "elu") if attention == "linear" else None
+    feature_map = SECOND_FEATURE_MAP[encoding] if attention == "linear" else None
     layer = make_layer(encoding, causal=True, attention=attention, feature_map=feature_map, chunk_size=4)
     x = inputs()
     mask = torch.ones(2, 13, dtype=torch.bool)
@@ -45,7 +43,7 @@ def test_relative_encodings_ignore_a_constant_shift_of_positions(encoding, atten
         encoding,
         causal=causal,
         attention=attention,
-        feature_map=FEATURE_MAPS.get(encoding, "elu") if attention == "linear" else None,
+        feature_map=SECOND_FEATURE_MAP[encoding] if attention == "linear" else None,
     )
     x = inputs()
     positions = torch.arange(13)[None].expand(2, -1)
@@ -78,7 +76,7 @@ def test_future_tokens_do_not_change_past_outputs(encoding, attention):
 @pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
 @pytest.mark.parametrize("encoding", POSITIONAL_ENCODINGS)
 def test_padded_batch_equals_each_sequence_alone(encoding, causal):
-    layer = make_layer(encoding, causal=causal, feature_map=FEATURE_MAPS.get(encoding, "elu"), chunk_size=4)
+    layer = make_layer(encoding, causal=causal, feature_map=SECOND_FEATURE_MAP[encoding], chunk_size=4)
     x = inputs(batch=3, tokens=10)
     lengths = [10, 7, 4]
     mask = torch.zeros(3, 10, dtype=torch.bool)

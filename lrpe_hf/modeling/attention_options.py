@@ -1,77 +1,69 @@
-"""The attention fields shared by the layer and the three model configs, validated in one place."""
+"""Every option of the attention layer, defined once and validated in one place.
 
-from dataclasses import asdict, dataclass, fields
+The three model configs take their attention fields from this dataclass (``config_fields()``): the fields whose
+metadata says ``per_family`` (``causal``, ``position_dims``, ``max_positions``) follow from the model family
+instead, and ``eps`` is called ``attention_eps`` in a config.
+"""
 
-from .feature_maps import FEATURE_MAPS
+from dataclasses import asdict, dataclass, field, fields
 
-POSITIONAL_ENCODINGS = (
-    "none",
-    "rope",
-    "lrpe_unitary",
-    "lrpe_orthogonal",
-    "lrpe_permutation",
-    "permute",
-    "spe_sine",
-    "spe_conv",
-    "fastrpb",
+from .registry import (
+    FEATURE_MAP_REGISTRY,
+    NORMALIZATIONS,
+    P_MATRIX_REGISTRY,
+    POSITIONAL_ENCODING_REGISTRY,
+    lookup,
+    positional_encoding_entry,
 )
+
 ABSOLUTE_POSITION_EMBEDDINGS = ("none", "sinusoidal", "learned")
 ATTENTION_KINDS = ("linear", "softmax")
-NORMALIZATIONS = ("denominator", "unrotated_denominator", "output_norm")
-LRPE_P_MATRICES = ("householder", "identity", "odd_even", "dct")
-
-# Encodings whose transformed features can be negative (rotations): a plain denominator could vanish.
-SIGNED_FEATURE_ENCODINGS = ("rope", "lrpe_unitary", "lrpe_orthogonal", "lrpe_permutation")
-TWO_D_ENCODINGS = ("none",) + SIGNED_FEATURE_ENCODINGS + ("permute", "spe_sine", "spe_conv", "fastrpb")
 
 
-def default_normalization(positional_encoding: str) -> str:
-    """RoFormer eq. 19 for rope, the LRPE authors' output norm for lrpe_*, a plain denominator otherwise."""
-    if positional_encoding == "rope":
-        return "unrotated_denominator"
-    if positional_encoding.startswith("lrpe_"):
-        return "output_norm"
-    return "denominator"
-
-
-def _choice(name, value, valid):
-    if value not in valid:
-        raise ValueError(f"Unknown {name} {value!r}; valid values: {', '.join(map(str, valid))}")
+def option(default, help: str, **metadata):
+    return field(default=default, metadata={"help": help, **metadata})
 
 
 @dataclass
 class AttentionOptions:
     """Every option of :class:`LinearAttention` besides its size. ``None`` means "the default for this encoding"."""
 
-    positional_encoding: str = "none"
-    feature_map: str | None = None  # linear attention only; default "elu"
-    attention: str = "linear"
-    normalization: str | None = None  # linear attention only; default from default_normalization()
-    causal: bool = False
-    position_dims: int = 1  # 2 for image patches carrying (row, col)
-    max_positions: int | None = None  # fastrpb: the longest span of positions (per axis in 2D)
-    chunk_size: int | None = None  # causal chunk length; None: 64 up to 8k tokens, 128 beyond (measured on CPU)
-    eps: float = 1e-6  # added to denominators
-    relu_eps: float = 1e-3
-    dpfp_nu: int = 1
-    performer_features: int | None = None  # default: head_dim
-    performer_redraw: bool = False
-    rope_base: float = 10000.0
-    lrpe_p_matrix: str = "householder"
-    lrpe_learnable_p: bool = False
-    lrpe_learnable_angles: bool = True
-    permute_decay: float | None = None  # causal default: per-head r spread over [0.88, 0.99]
-    spe_realizations: int = 32
-    spe_sines: int = 1
-    spe_kernel_size: int = 64
-    spe_gated: bool = True
-    spe_seed: int = 0
-    fastrpb_init_std: float = 0.0
+    positional_encoding: str = option("none", "a registered positional encoding (lrpe_hf.POSITIONAL_ENCODINGS)")
+    feature_map: str | None = option(None, "linear attention's kernel feature map (lrpe_hf.FEATURE_MAPS); default elu")
+    attention: str = option("linear", "linear, or softmax (the quadratic baseline)")
+    normalization: str | None = option(
+        None, "denominator, unrotated_denominator or output_norm (linear attention); default per encoding"
+    )
+    causal: bool = option(False, "attend to past tokens only", per_family=True)
+    position_dims: int = option(1, "1 for sequences, 2 for image patches carrying (row, col)", per_family=True)
+    max_positions: int | None = option(None, "fastrpb: the longest span of positions (per axis in 2D)", per_family=True)
+    chunk_size: int | None = option(None, "causal chunk length; default 64 up to 8k tokens, 128 beyond")
+    eps: float = option(
+        1e-6,
+        "added to denominators (and to the output norm's mean square), on the unstabilised scale",
+        config_name="attention_eps",
+    )
+    relu_eps: float = option(1e-3, "relu feature map: phi(x) = relu(x) + relu_eps")
+    dpfp_nu: int = option(1, "dpfp feature map: number of rolls (width 2 D nu)")
+    performer_features: int | None = option(None, "performer feature map: number of random features (default D)")
+    performer_redraw: bool = option(False, "performer: redraw the random features at every training step")
+    rope_base: float = option(10000.0, "rope and lrpe_*: frequencies (initial angles) base^(-2i/m)")
+    lrpe_p_matrix: str = option("householder", "LRPE's P: a registered P matrix (lrpe_hf.LRPE_P_MATRICES)")
+    lrpe_learnable_p: bool = option(False, "LRPE: learn P (the Householder vector)")
+    lrpe_learnable_angles: bool = option(True, "LRPE: learn the angles (Types 1 and 2)")
+    permute_decay: float | None = option(None, "permute: decay r in (0, 1]; causal default per head 0.88..0.99")
+    spe_realizations: int = option(32, "SPE: number of realizations R (query/key width)")
+    spe_sines: int = option(1, "spe_sine: number of sines K per dimension")
+    spe_kernel_size: int = option(64, "spe_conv: filter length")
+    spe_gated: bool = option(True, "SPE: learnable gates between the positional and a position-free code")
+    spe_seed: int = option(0, "SPE: seed of the evaluation-mode draw")
+    fastrpb_init_std: float = option(0.0, "fastrpb: standard deviation of the initial bias weights")
 
     def __post_init__(self):
-        _choice("positional_encoding", self.positional_encoding, POSITIONAL_ENCODINGS)
-        _choice("attention", self.attention, ATTENTION_KINDS)
-        _choice("lrpe_p_matrix", self.lrpe_p_matrix, LRPE_P_MATRICES)
+        """Every rule, in one place. Raises ValueError naming what is wrong and what is valid."""
+        encoding = positional_encoding_entry(self.positional_encoding)
+        self._choice("attention", self.attention, ATTENTION_KINDS)
+        lookup("lrpe_p_matrix", self.lrpe_p_matrix, P_MATRIX_REGISTRY)
         if self.position_dims not in (1, 2):
             raise ValueError(f"position_dims must be 1 (sequences) or 2 (image patches), got {self.position_dims}")
         if self.attention == "softmax":
@@ -83,27 +75,31 @@ class AttentionOptions:
                 raise ValueError("normalization applies to linear attention only; softmax normalises by itself")
         else:
             self.feature_map = self.feature_map or "elu"
-            _choice("feature_map", self.feature_map, FEATURE_MAPS)
-            self.normalization = self.normalization or default_normalization(self.positional_encoding)
-            _choice("normalization", self.normalization, NORMALIZATIONS)
+            lookup("feature_map", self.feature_map, FEATURE_MAP_REGISTRY)
+            self.normalization = self.normalization or encoding.default_normalization
+            self._choice("normalization", self.normalization, NORMALIZATIONS)
             pe = self.positional_encoding
-            if self.normalization == "denominator" and pe in SIGNED_FEATURE_ENCODINGS:
+            if self.normalization == "denominator" and encoding.signed_features:
                 raise ValueError(
                     f"normalization='denominator' is invalid with {pe!r}: its rotated features can be negative, so the "
                     "denominator can vanish; use 'unrotated_denominator' or 'output_norm'"
                 )
-            if self.normalization == "unrotated_denominator" and pe not in SIGNED_FEATURE_ENCODINGS:
+            if self.normalization == "unrotated_denominator" and not encoding.signed_features:
+                signed = [name for name, entry in POSITIONAL_ENCODING_REGISTRY.items() if entry.signed_features]
                 raise ValueError(
-                    f"normalization='unrotated_denominator' is meant for {', '.join(SIGNED_FEATURE_ENCODINGS)}; "
+                    f"normalization='unrotated_denominator' is meant for {', '.join(signed)}; "
                     f"with {pe!r} use 'denominator' or 'output_norm'"
                 )
         if self.position_dims == 2:
             if self.causal:
                 raise ValueError("position_dims=2 (image patches) has no causal order; use causal=False")
-            if self.positional_encoding not in TWO_D_ENCODINGS:
+            if not encoding.supports_2d:
                 raise ValueError(f"{self.positional_encoding!r} has no 2D form")
-        if self.positional_encoding == "fastrpb" and not self.max_positions:
-            raise ValueError("fastrpb needs max_positions: it learns one bias per relative distance up to that span")
+        if encoding.needs_max_positions and not self.max_positions:
+            raise ValueError(
+                f"{self.positional_encoding} needs max_positions: it learns one bias per relative distance up to "
+                "that span"
+            )
         if self.permute_decay is not None:
             if not 0.0 < self.permute_decay <= 1.0:
                 raise ValueError(f"permute_decay must be in (0, 1], got {self.permute_decay}")
@@ -111,17 +107,23 @@ class AttentionOptions:
                 raise ValueError("permute_decay < 1 is for causal models (PermuteFormer uses r = 1 bidirectionally)")
         if self.chunk_size is not None and self.chunk_size < 1:
             raise ValueError(f"chunk_size must be a positive integer (or None for automatic), got {self.chunk_size}")
-        for name in ("dpfp_nu", "spe_realizations", "spe_sines", "spe_kernel_size"):
+        for name in ("spe_realizations", "spe_sines", "spe_kernel_size"):  # dpfp_nu and performer_features: their maps
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)}")
-        if self.performer_features is not None and self.performer_features < 1:
-            raise ValueError(f"performer_features must be a positive integer, got {self.performer_features}")
         if self.eps <= 0 or self.relu_eps < 0:
             raise ValueError("eps must be > 0 and relu_eps >= 0")
+
+    @staticmethod
+    def _choice(name, value, valid):
+        if value not in valid:
+            raise ValueError(f"Unknown {name} {value!r}; valid values: {', '.join(map(str, valid))}")
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     @classmethod
-    def field_names(cls) -> tuple[str, ...]:
-        return tuple(f.name for f in fields(cls))
+    def config_fields(cls):
+        """(config name, option name, dataclass field) of every option a model config carries."""
+        return [
+            (f.metadata.get("config_name", f.name), f.name, f) for f in fields(cls) if not f.metadata.get("per_family")
+        ]

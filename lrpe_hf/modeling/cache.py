@@ -8,7 +8,7 @@ compileable, and cannot be cropped (a recurrent state cannot forget its last tok
 import torch
 from transformers.cache_utils import Cache
 
-from .linear_attention import LinearAttentionState
+from .attention_state import LinearAttentionState
 
 
 class LinearAttentionCache(Cache):
@@ -44,16 +44,14 @@ class LinearAttentionCache(Cache):
 
     def reorder_cache(self, beam_idx: torch.LongTensor):
         for state in self.states:
-            state.reorder(beam_idx)
+            state.select(beam_idx)
 
     def batch_select_indices(self, indices: torch.Tensor):
         self.reorder_cache(indices)
 
     def batch_repeat_interleave(self, repeats: int):
         for state in self.states:
-            for name, value in vars(state).items():
-                if isinstance(value, torch.Tensor):
-                    setattr(state, name, value.repeat_interleave(repeats, dim=0))
+            state.repeat_interleave(repeats)
 
     def crop(self, max_length: int):
         raise NotImplementedError(

@@ -1,49 +1,39 @@
 """The attention fields shared by LinearRobertaConfig, LinearGPTConfig and LinearViTConfig.
 
-The values are validated by ``AttentionOptions`` (one place for every rule); ``causal``, ``position_dims`` and
-``max_positions`` follow from the model family and are not config fields.
+The fields are those of ``AttentionOptions`` (its ``config_fields()``: same names, types and defaults; ``eps`` is
+``attention_eps``), so each option is defined once. ``causal``, ``position_dims`` and ``max_positions`` follow
+from the model family and are not config fields. Validation is ``AttentionOptions``'s, run when the config is
+built.
 """
+
+from dataclasses import field, make_dataclass
 
 from transformers import PreTrainedConfig
 
 from .attention_options import ABSOLUTE_POSITION_EMBEDDINGS, AttentionOptions
 
+AttentionConfigFields = make_dataclass(
+    "AttentionConfigFields",
+    [(name, option.type, field(default=option.default)) for name, _, option in AttentionOptions.config_fields()],
+    kw_only=True,
+)
 
-class LinearAttentionConfig(PreTrainedConfig):
+
+class LinearAttentionConfig(PreTrainedConfig, AttentionConfigFields):
     """Base class: the positional encoding, feature map and attention options of every layer.
 
     Args:
-        positional_encoding: one of ``lrpe_hf.POSITIONAL_ENCODINGS``.
+        positional_encoding: one of ``lrpe_hf.POSITIONAL_ENCODINGS`` (the registered encodings).
         absolute_position_embedding: ``none``, ``sinusoidal`` or ``learned``, added to the input embeddings.
         feature_map: one of ``lrpe_hf.FEATURE_MAPS`` (linear attention; default ``elu``).
         attention: ``linear`` or ``softmax`` (the quadratic baseline).
         normalization: ``denominator``, ``unrotated_denominator`` or ``output_norm`` (default per encoding).
         The other fields are those of ``lrpe_hf.AttentionOptions`` (chunk size, LRPE, PermuteFormer, SPE,
-        Performer, DPFP and FastRPB options).
+        Performer, DPFP and FastRPB options), documented there.
     """
 
     positional_encoding: str = "lrpe_orthogonal"
     absolute_position_embedding: str = "none"
-    feature_map: str | None = None
-    attention: str = "linear"
-    normalization: str | None = None
-    chunk_size: int | None = None
-    attention_eps: float = 1e-6
-    relu_eps: float = 1e-3
-    dpfp_nu: int = 1
-    performer_features: int | None = None
-    performer_redraw: bool = False
-    rope_base: float = 10000.0
-    lrpe_p_matrix: str = "householder"
-    lrpe_learnable_p: bool = False
-    lrpe_learnable_angles: bool = True
-    permute_decay: float | None = None
-    spe_realizations: int = 32
-    spe_sines: int = 1
-    spe_kernel_size: int = 64
-    spe_gated: bool = True
-    spe_seed: int = 0
-    fastrpb_init_std: float = 0.0
 
     # Set by each family.
     is_causal_model = False
@@ -69,29 +59,10 @@ class LinearAttentionConfig(PreTrainedConfig):
         return self.max_position_embeddings
 
     def attention_options(self) -> AttentionOptions:
+        values = {option_name: getattr(self, name) for name, option_name, _ in AttentionOptions.config_fields()}
         return AttentionOptions(
-            positional_encoding=self.positional_encoding,
-            feature_map=self.feature_map,
-            attention=self.attention,
-            normalization=self.normalization,
             causal=self.is_causal_model,
             position_dims=self.position_dims,
             max_positions=self.max_relative_positions,
-            chunk_size=self.chunk_size,
-            eps=self.attention_eps,
-            relu_eps=self.relu_eps,
-            dpfp_nu=self.dpfp_nu,
-            performer_features=self.performer_features,
-            performer_redraw=self.performer_redraw,
-            rope_base=self.rope_base,
-            lrpe_p_matrix=self.lrpe_p_matrix,
-            lrpe_learnable_p=self.lrpe_learnable_p,
-            lrpe_learnable_angles=self.lrpe_learnable_angles,
-            permute_decay=self.permute_decay,
-            spe_realizations=self.spe_realizations,
-            spe_sines=self.spe_sines,
-            spe_kernel_size=self.spe_kernel_size,
-            spe_gated=self.spe_gated,
-            spe_seed=self.spe_seed,
-            fastrpb_init_std=self.fastrpb_init_std,
+            **values,
         )

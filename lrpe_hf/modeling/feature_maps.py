@@ -1,24 +1,41 @@
 """Kernel feature maps phi: R^D -> R^m for linear attention.
 
 Every map works per head on tensors of shape (batch, heads, tokens, D) and returns (batch, heads, tokens, m)
-with m = ``output_dim``. All features are non-negative.
+with m = ``output_dim``. The base class is the identity map; a subclass overrides ``forward`` (and
+``output_dim`` when the width changes).
 
-Exponential maps (``exp``/SIKF and ``performer``/FAVOR+) expose ``log_features`` instead of plain features:
-the attention layer subtracts a stabiliser before exponentiating (a per-query maximum, and for keys a
-maximum over the keys seen so far), which keeps exp() finite without changing the attention weights.
+Exponential maps (``exp``/SIKF and ``performer``/FAVOR+) subclass ``ExponentialFeatureMap``: they give
+``log_features`` and compute features with a stabiliser that keeps exp() finite. Queries are divided by
+exp(their own maximum) and keys by exp(the maximum over the keys seen so far, causal) or over all keys
+(bidirectional). Output s is then a ratio of sums that are all divided by exp(``log_scale[s]``); the
+attention layer multiplies its eps by exp(-``log_scale``), so eps keeps its meaning on the unstabilised
+scale and the stabiliser never changes an output.
 """
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 
-class FeatureMap(nn.Module):
-    """Base class. ``is_exponential`` maps implement ``log_features``; the others implement ``forward``."""
+@dataclass
+class Features:
+    """phi(q), phi(k) (B, H, N, m), keys zero where padded, plus what a stabiliser adds:
+    ``log_gates`` (B, H, N), a decay of the past at each token (<= 0), or None;
+    ``log_scale`` (B, H, N, 1), the log of the factor every term of output s was divided by, or None;
+    ``key_max`` (B, H), the running key maximum to carry to the next call (causal), or None."""
 
-    is_exponential = False
+    query: torch.Tensor
+    key: torch.Tensor
+    log_gates: torch.Tensor | None = None
+    log_scale: torch.Tensor | None = None
+    key_max: torch.Tensor | None = None
+
+
+class FeatureMap(nn.Module):
+    """Base class: the identity map. Subclasses override ``forward`` and, if the width changes, ``output_dim``."""
 
     def __init__(self, input_dim: int):
         super().__init__()
@@ -28,16 +45,22 @@ class FeatureMap(nn.Module):
     def output_dim(self) -> int:
         return self.input_dim
 
-    def log_features(self, x: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError(f"{type(self).__name__} is not an exponential feature map")
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Plain features of an exponential map, without stabilisation (for references and small inputs).
-        return self.log_features(x).exp()
+        return x
+
+    def redraw(self):
+        """Called once per training step by the model (or a standalone layer); random maps redraw here."""
+
+    def features(self, q, k, mask=None, causal=False, key_max=None) -> Features:
+        """phi(q), phi(k) with padded keys (``mask`` (B, N) bool, False = padding) zeroed."""
+        fk = self(k)
+        if mask is not None:
+            fk = fk.masked_fill(~mask[:, None, :, None], 0.0)
+        return Features(self(q), fk)
 
 
 class EluFeatureMap(FeatureMap):
-    """phi(x) = 1 + elu(x) (Katharopoulos et al.), the LRPE paper's baseline kernel."""
+    """phi(x) = 1 + elu(x) (Katharopoulos et al. 2020, eq. 7), the LRPE paper's baseline kernel."""
 
     def forward(self, x):
         return F.elu(x) + 1.0
@@ -48,30 +71,23 @@ class ReluFeatureMap(FeatureMap):
 
     def __init__(self, input_dim: int, eps: float = 1e-3):
         super().__init__(input_dim)
+        if eps < 0:
+            raise ValueError(f"relu_eps must be >= 0, got {eps}")
         self.eps = eps
 
     def forward(self, x):
         return F.relu(x) + self.eps
 
 
-class ExpFeatureMap(FeatureMap):
-    """phi(x) = exp(x): the shift-invariant kernel function (SIKF) of FastRPB."""
-
-    is_exponential = True
-
-    def log_features(self, x):
-        return x
-
-
 class DPFPFeatureMap(FeatureMap):
-    """Deterministic parameter-free projection (Schlag et al.): width 2 * D * nu.
+    """Deterministic parameter-free projection (Schlag et al. 2021, eq. 37-38): width 2 * D * nu.
 
     r = [relu(x), relu(-x)]; phi(x) = concat_{i=1..nu} r * roll(r, i).
     """
 
     def __init__(self, input_dim: int, nu: int = 1):
         super().__init__(input_dim)
-        if nu < 1 or nu >= 2 * input_dim:
+        if not 1 <= nu < 2 * input_dim:
             raise ValueError(f"dpfp_nu must be in [1, {2 * input_dim - 1}] for head dimension {input_dim}, got {nu}")
         self.nu = nu
 
@@ -84,22 +100,69 @@ class DPFPFeatureMap(FeatureMap):
         return torch.cat([r * r.roll(shifts=i, dims=-1) for i in range(1, self.nu + 1)], dim=-1)
 
 
-class PerformerFeatureMap(FeatureMap):
-    """FAVOR+ positive orthogonal random features (Choromanski et al.).
+class ExponentialFeatureMap(FeatureMap):
+    """phi(x) = exp(log_features(x)), computed with the stabiliser described in the module docstring."""
+
+    def log_features(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, x):
+        return self.log_features(x).exp()  # unstabilised: for references and small inputs
+
+    def features(self, q, k, mask=None, causal=False, key_max=None) -> Features:
+        lq, lk = self.log_features(q), self.log_features(k)
+        query_max = lq.amax(-1, keepdim=True).detach()
+        fq = (lq - query_max).exp()
+        wide = torch.promote_types(lk.dtype, torch.float32)
+        token_max = lk.amax(-1).detach().to(wide)  # (B, H, N)
+        if mask is not None:
+            token_max = token_max.masked_fill(~mask[:, None], float("-inf"))
+        gates, carried = None, None
+        if causal:
+            # Keys are divided by exp(running maximum); each growth of the maximum rescales the past by a log
+            # gate <= 0. Only keys up to s set the scale of output s: no future token leaks in.
+            previous = key_max if key_max is not None else token_max[..., 0]
+            running = torch.cummax(torch.cat([previous[..., None], token_max], dim=-1), dim=-1).values
+            finite = running.isfinite()
+            first = running.masked_fill(~finite, float("inf")).amin(-1, keepdim=True)  # the first real key
+            running = torch.where(finite, running, first.masked_fill(first.isinf(), 0.0))
+            gates = running[..., :-1] - running[..., 1:]
+            key_scale = running[..., 1:]
+            carried = running[..., -1]
+        else:
+            key_scale = token_max.amax(-1, keepdim=True)
+            key_scale = key_scale.masked_fill(key_scale.isinf(), 0.0).expand_as(token_max)
+        fk = (lk - key_scale[..., None].to(lk.dtype)).exp()
+        if mask is not None:
+            fk = fk.masked_fill(~mask[:, None, :, None], 0.0)
+        log_scale = query_max.to(wide) + key_scale[..., None]
+        return Features(fq, fk, gates, log_scale, carried)
+
+
+class ExpFeatureMap(ExponentialFeatureMap):
+    """phi(x) = exp(x): the shift-invariant kernel function (SIKF) of FastRPB (eq. 9)."""
+
+    def log_features(self, x):
+        return x
+
+
+class PerformerFeatureMap(ExponentialFeatureMap):
+    """FAVOR+ positive orthogonal random features (Choromanski et al. 2021, Lemma 1 and section 2.4).
 
     phi(x) = exp(W x' - |x'|^2 / 2) / sqrt(m) with x' = x / D^(1/4), so that E[phi(q) . phi(k)] = exp(q . k / sqrt(D)).
-    W (m x D) has orthogonal blocks of Gaussian rows rescaled to chi-distributed norms. It is a buffer: saved
-    with the model and fixed in eval mode. With ``redraw=True`` the owner of the layer calls ``redraw_projection``
-    once per training step (the attention layer does it itself when standalone; a model does it before its
-    layers run, so that gradient checkpointing replays the same features).
+    W (m x D) stacks orthogonal blocks whose rows are uniform on the sphere (Haar: the Q of a Gaussian matrix's
+    QR with the signs fixed by diag(R)), rescaled to chi(D)-distributed norms, so that each row is marginally
+    N(0, I). It is a buffer: saved with the model and fixed in eval mode. With ``redraw=True`` it is redrawn
+    once per training step (by the model before its layers run, so gradient checkpointing replays the same
+    features; by the layer itself when standalone).
     """
-
-    is_exponential = True
 
     def __init__(self, input_dim: int, num_features: int | None = None, redraw: bool = False):
         super().__init__(input_dim)
+        if num_features is not None and num_features < 1:
+            raise ValueError(f"performer_features must be a positive integer, got {num_features}")
         self.num_features = num_features or input_dim
-        self.redraw = redraw
+        self.redraw_in_training = redraw
         self.register_buffer("projection", self.draw_projection(), persistent=True)
 
     @property
@@ -111,7 +174,8 @@ class PerformerFeatureMap(FeatureMap):
         blocks, remaining = [], self.num_features
         while remaining > 0:
             gaussian = torch.randn(self.input_dim, self.input_dim, device=device)
-            orthogonal, _ = torch.linalg.qr(gaussian)
+            orthogonal, upper = torch.linalg.qr(gaussian)
+            orthogonal = orthogonal * torch.sign(torch.diagonal(upper))[None, :]  # Haar-distributed columns
             blocks.append(orthogonal.T[: min(remaining, self.input_dim)])
             remaining -= self.input_dim
         norms = torch.randn(self.num_features, self.input_dim, device=device).norm(dim=-1, keepdim=True)
@@ -121,26 +185,11 @@ class PerformerFeatureMap(FeatureMap):
     def redraw_projection(self):
         self.projection.copy_(self.draw_projection(self.projection.device))
 
+    def redraw(self):
+        if self.redraw_in_training:
+            self.redraw_projection()
+
     def log_features(self, x):
         x = x * self.input_dim**-0.25
         projected = x @ self.projection.to(x.dtype).T
         return projected - 0.5 * x.pow(2).sum(-1, keepdim=True) - 0.5 * math.log(self.num_features)
-
-
-FEATURE_MAPS = ("elu", "relu", "exp", "dpfp", "performer")
-
-
-def build_feature_map(
-    name: str, input_dim: int, *, relu_eps=1e-3, dpfp_nu=1, performer_features=None, performer_redraw=False
-) -> FeatureMap:
-    if name == "elu":
-        return EluFeatureMap(input_dim)
-    if name == "relu":
-        return ReluFeatureMap(input_dim, relu_eps)
-    if name == "exp":
-        return ExpFeatureMap(input_dim)
-    if name == "dpfp":
-        return DPFPFeatureMap(input_dim, dpfp_nu)
-    if name == "performer":
-        return PerformerFeatureMap(input_dim, performer_features, performer_redraw)
-    raise ValueError(f"Unknown feature_map {name!r}; valid feature maps: {', '.join(FEATURE_MAPS)}")

@@ -17,6 +17,7 @@ from transformers.utils import can_return_tuple
 from .cache import LinearAttentionCache
 from .configuration_linear_gpt import LinearGPTConfig
 from .positional_absolute import build_absolute_position_embedding
+from .positions import default_position_ids, mask_as_bool
 from .transformer_stack import LinearPreTrainedModel, LinearTransformerStack, check_single_segment
 
 
@@ -82,25 +83,9 @@ class LinearGPTModel(LinearGPTPreTrainedModel):
         cache = past_key_values if use_cache else None
         past = cache.seen_tokens if cache is not None else 0
 
-        mask = None
-        if attention_mask is not None:
-            if (
-                attention_mask.dim() != 2
-                or attention_mask.shape[0] != batch_size
-                or attention_mask.shape[1] not in (num_tokens, past + num_tokens)
-            ):
-                raise ValueError(
-                    f"attention_mask must have shape (batch, tokens) = ({batch_size}, {num_tokens}) or "
-                    f"(batch, past + tokens) = ({batch_size}, {past + num_tokens}); got "
-                    f"{tuple(attention_mask.shape)}"
-                )
-            mask = attention_mask[:, -num_tokens:].bool()
+        mask = mask_as_bool(attention_mask, batch_size, num_tokens, past)
         if position_ids is None:
-            if attention_mask is not None and attention_mask.shape[1] == past + num_tokens:
-                position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)[:, -num_tokens:]
-            else:
-                position_ids = torch.arange(past, past + num_tokens, device=hidden_states.device)[None]
-                position_ids = position_ids.expand(batch_size, -1)
+            position_ids = default_position_ids(attention_mask, batch_size, num_tokens, hidden_states.device, past)
         if self.position_embedding is not None:
             hidden_states = hidden_states + self.position_embedding(position_ids).to(hidden_states.dtype)
         hidden_states = self.dropout(hidden_states)

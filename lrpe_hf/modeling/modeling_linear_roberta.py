@@ -19,6 +19,7 @@ from transformers.utils import can_return_tuple
 
 from .configuration_linear_roberta import LinearRobertaConfig
 from .positional_absolute import build_absolute_position_embedding
+from .positions import default_position_ids, mask_as_bool
 from .transformer_stack import LinearPreTrainedModel, LinearTransformerStack, check_single_segment
 
 
@@ -66,19 +67,9 @@ class LinearRobertaModel(LinearRobertaPreTrainedModel):
         output_hidden_states = (
             output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
         )
-        mask = None
-        if attention_mask is not None:
-            if attention_mask.shape != (batch_size, num_tokens):
-                raise ValueError(
-                    f"attention_mask must have shape (batch, tokens) = ({batch_size}, {num_tokens}), got "
-                    f"{tuple(attention_mask.shape)}"
-                )
-            mask = attention_mask.bool()
+        mask = mask_as_bool(attention_mask, batch_size, num_tokens)
         if position_ids is None:
-            if mask is not None:
-                position_ids = (mask.long().cumsum(-1) - 1).clamp_min(0)
-            else:
-                position_ids = torch.arange(num_tokens, device=hidden_states.device)[None].expand(batch_size, -1)
+            position_ids = default_position_ids(mask, batch_size, num_tokens, hidden_states.device)
         if self.position_embedding is not None:
             hidden_states = hidden_states + self.position_embedding(position_ids).to(hidden_states.dtype)
         hidden_states = self.dropout(self.embedding_norm(hidden_states))
@@ -145,6 +136,21 @@ class LinearRobertaLMHead(nn.Module):
         return self.decoder(self.norm(self.activation(self.dense(hidden_states))))
 
 
+class LinearRobertaClassificationHead(nn.Module):
+    """RoBERTa's sentence head on the first token: dropout, dense, tanh, dropout, out_proj.
+    (B, hidden) -> (B, num_labels)."""
+
+    def __init__(self, config: LinearRobertaConfig):
+        super().__init__()
+        dropout = config.classifier_dropout if config.classifier_dropout is not None else config.hidden_dropout_prob
+        self.dropout = nn.Dropout(dropout)
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.out_proj = nn.Linear(config.hidden_size, config.num_labels)
+
+    def forward(self, features):
+        return self.out_proj(self.dropout(torch.tanh(self.dense(self.dropout(features)))))
+
+
 class LinearRobertaForSequenceClassification(LinearRobertaPreTrainedModel):
     """A RoBERTa-style head (dense, tanh, projection) on the first token."""
 
@@ -152,14 +158,7 @@ class LinearRobertaForSequenceClassification(LinearRobertaPreTrainedModel):
         super().__init__(config)
         self.num_labels = config.num_labels
         self.model = LinearRobertaModel(config)
-        dropout = config.classifier_dropout if config.classifier_dropout is not None else config.hidden_dropout_prob
-        self.classifier = nn.Sequential(
-            nn.Dropout(dropout),
-            nn.Linear(config.hidden_size, config.hidden_size),
-            nn.Tanh(),
-            nn.Dropout(dropout),
-            nn.Linear(config.hidden_size, config.num_labels),
-        )
+        self.classifier = LinearRobertaClassificationHead(config)
         self.post_init()
 
     @can_return_tuple

@@ -6,11 +6,12 @@ the class token sits at (-1, -1) and is pooled for classification.
 
 import torch
 from torch import nn
+from transformers import initialization as init
 from transformers.modeling_outputs import BaseModelOutputWithPooling, ImageClassifierOutput
 from transformers.utils import can_return_tuple
 
 from .configuration_linear_vit import LinearViTConfig
-from .positional_absolute import SinusoidalPositionEmbedding
+from .positional_absolute import LearnedPositionEmbedding, SinusoidalPositionEmbedding
 from .transformer_stack import LinearPreTrainedModel, LinearTransformerStack
 
 
@@ -19,6 +20,11 @@ class LinearViTPreTrainedModel(LinearPreTrainedModel):
     config_class = LinearViTConfig
     base_model_prefix = "model"
     main_input_name = "pixel_values"
+
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        if isinstance(module, LinearViTEmbeddings):  # as ViT: a zero class token would stay zero under phi(0) = 0
+            init.trunc_normal_(module.cls_token, mean=0.0, std=self.config.initializer_range)
 
 
 def patch_positions(rows: int, cols: int, device=None) -> torch.Tensor:
@@ -29,7 +35,11 @@ def patch_positions(rows: int, cols: int, device=None) -> torch.Tensor:
 
 
 class LinearViTEmbeddings(nn.Module):
-    """Patch projection, class token and the optional absolute embedding. Returns embeddings and positions."""
+    """Patch projection, class token and the optional absolute embedding. Returns embeddings and positions.
+
+    ``absolute_position_embedding="learned"`` is ViT's table: one row per token of an ``image_size`` image (the
+    class token, then the patches row by row); ``sinusoidal`` encodes (row, col), half of the width each.
+    """
 
     def __init__(self, config: LinearViTConfig):
         super().__init__()
@@ -38,12 +48,11 @@ class LinearViTEmbeddings(nn.Module):
             config.num_channels, config.hidden_size, kernel_size=config.patch_size, stride=config.patch_size
         )
         self.cls_token = nn.Parameter(torch.zeros(1, 1, config.hidden_size))
-        self.sinusoidal = None
-        self.learned_table = None
+        self.position_embedding = None
         if config.absolute_position_embedding == "sinusoidal":
-            self.sinusoidal = SinusoidalPositionEmbedding(config.hidden_size, position_dims=2)
+            self.position_embedding = SinusoidalPositionEmbedding(config.hidden_size, position_dims=2)
         elif config.absolute_position_embedding == "learned":
-            self.learned_table = nn.Parameter(0.02 * torch.randn(1, 1 + config.grid_size**2, config.hidden_size))
+            self.position_embedding = LearnedPositionEmbedding(config.hidden_size, 1 + config.grid_size**2)
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
 
     def forward(self, pixel_values):
@@ -61,15 +70,16 @@ class LinearViTEmbeddings(nn.Module):
         batch_size = patches.shape[0]
         embeddings = torch.cat([self.cls_token.expand(batch_size, -1, -1), patches], dim=1)
         positions = patch_positions(height // p, width // p, embeddings.device)[None].expand(batch_size, -1, -1)
-        if self.learned_table is not None:
-            if embeddings.shape[1] != self.learned_table.shape[1]:
+        if isinstance(self.position_embedding, LearnedPositionEmbedding):
+            if (height, width) != (self.config.image_size,) * 2:
                 raise ValueError(
                     f"learned absolute position embeddings cover {self.config.image_size}x{self.config.image_size} "
                     f"images; got {height}x{width}. Resize the images or use a relative positional encoding"
                 )
-            embeddings = embeddings + self.learned_table
-        elif self.sinusoidal is not None:
-            embeddings = embeddings + self.sinusoidal(positions).to(embeddings.dtype)
+            token_index = torch.arange(embeddings.shape[1], device=embeddings.device)[None]
+            embeddings = embeddings + self.position_embedding(token_index).to(embeddings.dtype)
+        elif self.position_embedding is not None:
+            embeddings = embeddings + self.position_embedding(positions).to(embeddings.dtype)
         return self.dropout(embeddings), positions
 
 

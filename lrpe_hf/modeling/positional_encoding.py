@@ -1,15 +1,20 @@
-"""The interface every relative positional encoding implements, and shared helpers.
+"""The interface every positional encoding implements, and shared helpers.
 
 An encoding can act at up to four places of the attention computation (shapes per head, B batch, H heads,
-N tokens, D head dim, m feature dim); each default is "does nothing":
+N tokens, D head dim, m feature dim). Every hook defaults to "does nothing", so a subclass overrides only
+what it changes:
 
-- ``encode_query_key(q, k, positions, spe_draw)``: before the feature map (SPE). (B,H,N,D) -> (B,H,N,D').
+- ``encode_query_key(q, k, positions, shared_draw)``: before the feature map (SPE). (B,H,N,D) -> (B,H,N,D').
+  ``shared_draw`` is the draw of the module a model shares across its layers (see ``build_shared`` in the
+  registry), or None.
 - ``encode_features(q, k, positions)``: after the feature map, the same transform for queries and keys
-  (rope, lrpe_*, permute). (B,H,N,m) -> (B,H,N,m'), position tables built once for both.
-- ``log_decay``: a per-head log decay per position, ``(H,)`` or ``None`` (PermuteFormer's causal r).
+  (rope, lrpe_*, permute). (B,H,N,m) -> (B,H,N,m'); position tables built once for both.
+- ``log_decay``: a per-head log decay per unit of position, ``(H,)`` or ``None`` (PermuteFormer's causal r):
+  the weight of key t at query s is multiplied by exp(log_decay (p_s - p_t)).
 - ``value_bias(values, key_positions, query_positions, causal)``: an additive ``W V`` term (FastRPB).
 
 ``positions`` are integer tensors of shape (B, N, A) with A = 1 (sequences) or 2 (row, col of image patches).
+Encodings register with ``lrpe_hf.register_positional_encoding`` (see ``registry.py``).
 """
 
 import math
@@ -19,26 +24,26 @@ from torch import nn
 
 
 class PositionalEncoding(nn.Module):
-    def query_key_dim(self, head_dim: int) -> int:
-        """Width of queries/keys after ``encode_query_key``."""
-        return head_dim
+    """Base class: the identity at every hook."""
 
-    def feature_dim(self, feature_dim: int) -> int:
-        """Width of features after ``encode_features``."""
-        return feature_dim
-
-    def encode_query_key(self, q, k, positions, spe_draw=None):
+    def encode_query_key(self, q, k, positions, shared_draw=None):
         return q, k
 
     def encode_features(self, q, k, positions):
         return q, k
 
     @property
-    def log_decay(self):
+    def log_decay(self) -> torch.Tensor | None:
         return None
 
     def value_bias(self, values, key_positions, query_positions, causal):
+        """W V at the queries, (B, H, N, d), for an encoding that adds one; see ``has_value_bias``."""
         return None
+
+    @property
+    def has_value_bias(self) -> bool:
+        """Whether this encoding overrides ``value_bias`` (the layer then keeps the past values when decoding)."""
+        return type(self).value_bias is not PositionalEncoding.value_bias
 
 
 class NoPositionalEncoding(PositionalEncoding):

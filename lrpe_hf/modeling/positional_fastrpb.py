@@ -38,6 +38,10 @@ class FastRelativePositionBias(PositionalEncoding):
             weights.normal_(0.0, init_std)
         self.weights = nn.Parameter(weights)  # [axis, head, max_positions - 1 + lag]
 
+    @classmethod
+    def from_options(cls, options, num_heads, head_dim, feature_dim):
+        return cls(num_heads, options.max_positions, options.position_dims, options.fastrpb_init_std)
+
     def lag_weights(self, axis: int, span: int, causal: bool) -> torch.Tensor:
         """(H, 2 span - 1) weights for lags -(span-1)..(span-1); negative lags zeroed when causal."""
         center = self.max_positions - 1

@@ -9,8 +9,9 @@ Lambda(s) P only. Three solutions for Lambda(s):
   like RoPE (q = 0 identity block).
 - permutation (Type 3, eq. 24): P_pi^s with a fixed random permutation pi per head.
 
-P is per head: identity, Householder (I - 2 v v^T / v^T v, v fixed or learnable), the odd/even
-permutation of eq. 74, or the orthonormal DCT-II (a real stand-in for the Fourier P of Appendix D).
+P is per head and comes from the P-matrix registry (``lrpe_p_matrix``): identity, Householder
+(I - 2 v v^T / v^T v, v fixed or learnable), the odd/even permutation of eq. 74, or the orthonormal DCT-II (a
+real stand-in for the Fourier P of Appendix D).
 Angles are initialised to 10000^(-2i/m) as in Appendix D.
 """
 
@@ -25,9 +26,9 @@ from .positional_rope import RotaryPositionalEncoding, rotary_frequencies
 
 
 class HouseholderReflection(nn.Module):
-    """x -> x - 2 (v . x) v / |v|^2 with one v per head."""
+    """x -> x - 2 (v . x) v / |v|^2 with one v per head (eq. 73)."""
 
-    def __init__(self, num_heads: int, dim: int, learnable: bool):
+    def __init__(self, num_heads: int, dim: int, learnable: bool = False):
         super().__init__()
         vector = torch.randn(num_heads, dim)
         vector = vector / vector.norm(dim=-1, keepdim=True)
@@ -73,39 +74,22 @@ class DCTMatrix(nn.Module):
         return x @ self.matrix.to(x.dtype).T
 
 
-def build_p_matrix(kind: str, num_heads: int, dim: int, learnable: bool) -> nn.Module:
-    if kind == "householder":
-        return HouseholderReflection(num_heads, dim, learnable)
-    if kind == "odd_even":
-        return OddEvenPermutation(dim)
-    if kind == "dct":
-        return DCTMatrix(dim)
-    if kind == "identity":
-        return nn.Identity()
-    raise ValueError(f"Unknown lrpe_p_matrix {kind!r}; valid: householder, identity, odd_even, dct")
-
-
 class LRPEUnitary(PositionalEncoding):
-    def __init__(
-        self,
-        num_heads,
-        feature_dim,
-        position_dims=1,
-        p_matrix="householder",
-        learnable_p=False,
-        learnable_angles=True,
-        base=10000.0,
-    ):
+    """Type 1 (eq. 22): Lambda(s) = diag(exp(i s alpha)), as a real vector of twice the width."""
+
+    def __init__(self, num_heads, feature_dim, p: nn.Module, position_dims=1, learnable_angles=True, base=10000.0):
         super().__init__()
-        self.p = build_p_matrix(p_matrix, num_heads, feature_dim, learnable_p)
+        self.p = p
         axis = axis_of_each(feature_dim, position_dims)
         # One angle per feature dimension: alpha_i = base^(-2i/m) over each axis's share of the dimensions.
         angles = rotary_frequencies(feature_dim, base**2, position_dims).repeat(num_heads, 1)
         self.angles = nn.Parameter(angles, requires_grad=learnable_angles)
         self.register_buffer("axis", axis)
 
-    def feature_dim(self, feature_dim):
-        return 2 * feature_dim
+    @classmethod
+    def from_options(cls, options, num_heads, head_dim, feature_dim, p):
+        o = options
+        return cls(num_heads, feature_dim, p, o.position_dims, o.lrpe_learnable_angles, o.rope_base)
 
     def encode_features(self, q, k, positions):
         cos, sin = unit_cos_sin(positions, self.angles, self.axis, q.dtype)
@@ -114,29 +98,33 @@ class LRPEUnitary(PositionalEncoding):
 
 
 class LRPEOrthogonal(PositionalEncoding):
-    def __init__(
-        self,
-        num_heads,
-        feature_dim,
-        position_dims=1,
-        p_matrix="householder",
-        learnable_p=False,
-        learnable_angles=True,
-        base=10000.0,
-    ):
+    """Type 2 (eq. 23): Lambda(s) = block-diagonal 2x2 rotations by s theta_i, theta learnable."""
+
+    def __init__(self, num_heads, feature_dim, p: nn.Module, position_dims=1, learnable_angles=True, base=10000.0):
         super().__init__()
-        self.p = build_p_matrix(p_matrix, num_heads, feature_dim, learnable_p)
+        self.p = p
         self.rotation = RotaryPositionalEncoding(num_heads, feature_dim, base, position_dims, learnable_angles)
+
+    @classmethod
+    def from_options(cls, options, num_heads, head_dim, feature_dim, p):
+        o = options
+        return cls(num_heads, feature_dim, p, o.position_dims, o.lrpe_learnable_angles, o.rope_base)
 
     def encode_features(self, q, k, positions):
         return self.rotation.encode_features(self.p(q), self.p(k), positions)
 
 
 class LRPEPermutation(PositionalEncoding):
-    def __init__(self, num_heads, feature_dim, position_dims=1, p_matrix="householder", learnable_p=False):
+    """Type 3 (eq. 24): Lambda(s) = P_pi^s, a fixed random permutation pi per head."""
+
+    def __init__(self, num_heads, feature_dim, p: nn.Module, position_dims=1):
         super().__init__()
-        self.p = build_p_matrix(p_matrix, num_heads, feature_dim, learnable_p)
+        self.p = p
         self.permutation = PermutePositionalEncoding(num_heads, feature_dim, position_dims, causal=False)
+
+    @classmethod
+    def from_options(cls, options, num_heads, head_dim, feature_dim, p):
+        return cls(num_heads, feature_dim, p, options.position_dims)
 
     def encode_features(self, q, k, positions):
         return self.permutation.encode_features(self.p(q), self.p(k), positions)

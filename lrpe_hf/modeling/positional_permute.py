@@ -79,6 +79,11 @@ class PermutePositionalEncoding(PositionalEncoding):
             decays = torch.full((num_heads,), float(decay))
         self.register_buffer("decays", decays)
 
+    @classmethod
+    def from_options(cls, options, num_heads, head_dim, feature_dim):
+        o = options
+        return cls(num_heads, feature_dim, o.position_dims, o.causal, o.permute_decay)
+
     @property
     def log_decay(self):
         if bool((self.decays == 1.0).all()):

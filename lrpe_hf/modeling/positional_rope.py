@@ -46,6 +46,10 @@ class RotaryPositionalEncoding(PositionalEncoding):
             self.register_buffer("frequencies", frequencies)
         self.register_buffer("axis", axis_of_each(num_pairs, position_dims))
 
+    @classmethod
+    def from_options(cls, options, num_heads, head_dim, feature_dim):
+        return cls(num_heads, feature_dim, options.rope_base, options.position_dims)
+
     def encode_features(self, q, k, positions):
         cos, sin = unit_cos_sin(positions, self.frequencies, self.axis, q.dtype)
         return rotate_pairs(q, cos, sin), rotate_pairs(k, cos, sin)

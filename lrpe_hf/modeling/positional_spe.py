@@ -18,8 +18,8 @@ linear cost, with R-dimensional queries and keys.
   part of the draw, so the kernel is vanishing and relative everywhere.
 - gating (eq. 23-25): codes <- sqrt(1 - delta_d) codes + sqrt(delta_d) eps_d, the same eps for queries and
   keys, so that the kernel becomes delta_d + (1 - delta_d) P_d.
-- sharing: the learnable kernels and one noise draw (``SPEDraw``) serve every layer of a model; each layer
-  has its own gates.
+- sharing: the learnable kernels (``SPECodes``, the registry's ``build_shared``) and one noise draw
+  (``SPEDraw``) serve every layer of a model; each layer has its own gates.
 
 In training mode every draw is fresh (from torch's RNG, so seeding reproduces it); in eval mode the draw
 is a deterministic function of ``seed`` and of the positions, so inference is repeatable and incremental
@@ -147,6 +147,11 @@ class SPECodes(nn.Module):
 
 
 class SineSPECodes(SPECodes):
+    @classmethod
+    def from_options(cls, options, num_heads, head_dim):
+        o = options
+        return cls(num_heads, head_dim, o.spe_realizations, o.spe_sines, o.position_dims, o.spe_seed)
+
     def __init__(self, num_heads, head_dim, num_realizations=32, num_sines=5, position_dims=1, seed=0):
         super().__init__(num_heads, head_dim, num_realizations, position_dims, seed)
         self.num_sines = num_sines
@@ -201,6 +206,11 @@ class SineSPECodes(SPECodes):
 
 
 class ConvSPECodes(SPECodes):
+    @classmethod
+    def from_options(cls, options, num_heads, head_dim):
+        o = options
+        return cls(num_heads, head_dim, o.spe_realizations, o.spe_kernel_size, o.position_dims, o.spe_seed)
+
     def __init__(self, num_heads, head_dim, num_realizations=32, kernel_size=64, position_dims=1, seed=0):
         super().__init__(num_heads, head_dim, num_realizations, position_dims, seed)
         self.kernel_size = kernel_size
@@ -292,24 +302,21 @@ def fast_fft_size(n: int) -> int:
 
 
 class StochasticPositionalEncoding(PositionalEncoding):
-    """The per-layer part of SPE: the gates, and (for a standalone layer) its own codes."""
+    """The per-layer part of SPE: the gates (eq. 24-25). The codes come from the shared draw; queries and keys
+    leave with ``num_realizations`` (R) dimensions."""
 
-    def __init__(
-        self, num_heads: int, head_dim: int, num_realizations: int, gated: bool, codes: SPECodes | None = None
-    ):
+    def __init__(self, num_heads: int, head_dim: int, num_realizations: int, gated: bool):
         super().__init__()
-        self.codes = codes
         self.num_realizations = num_realizations
         self.gate_logits = nn.Parameter(torch.zeros(num_heads, head_dim)) if gated else None
 
-    def query_key_dim(self, head_dim):
-        return self.num_realizations
+    @classmethod
+    def from_options(cls, options, num_heads, head_dim, feature_dim):
+        return cls(num_heads, head_dim, options.spe_realizations, options.spe_gated)
 
-    def encode_query_key(self, q, k, positions, spe_draw=None):
-        if spe_draw is None:
-            if self.codes is None:
-                raise ValueError("This attention layer shares its SPE codes with the model: pass spe_draw=codes.draw()")
-            spe_draw = self.codes.draw(q.device)
-        codes = spe_draw.codes
+    def encode_query_key(self, q, k, positions, shared_draw=None):
+        if shared_draw is None:
+            raise ValueError("SPE needs the draw of its shared codes: pass shared_draw=codes.draw()")
+        codes = shared_draw.codes
         gate = torch.sigmoid(self.gate_logits) if self.gate_logits is not None else None
-        return codes.encode(q, positions, spe_draw, gate, True), codes.encode(k, positions, spe_draw, gate, False)
+        return codes.encode(q, positions, shared_draw, gate, True), codes.encode(k, positions, shared_draw, gate, False)

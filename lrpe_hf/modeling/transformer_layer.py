@@ -2,6 +2,10 @@
 
 ``pre_norm=True`` (GPT, ViT): x + Attn(LN(x)), then x + MLP(LN(x)).
 ``pre_norm=False`` (RoBERTa, post-norm as in BERT): LN(x + Attn(x)), then LN(x + MLP(x)).
+
+Weight names follow transformers' decoder conventions (``self_attn.{q,k,v,o}_proj``, ``self_attn_layer_norm``,
+``mlp.fc1``/``mlp.fc2``, ``final_layer_norm``, as in OPT, BART and Whisper), so that tools recognise them: peft's
+default ``target_modules`` for q/v, and conversion scripts.
 """
 
 from torch import nn
@@ -11,27 +15,36 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from .linear_attention import LinearAttention
 
 
+class MLP(nn.Module):
+    """fc1 -> activation -> fc2: (B, N, hidden) -> (B, N, hidden)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, activation: str):
+        super().__init__()
+        self.fc1 = nn.Linear(hidden_size, intermediate_size)
+        self.activation = ACT2FN[activation]
+        self.fc2 = nn.Linear(intermediate_size, hidden_size)
+
+    def forward(self, hidden_states):
+        return self.fc2(self.activation(self.fc1(hidden_states)))
+
+
 class LinearTransformerLayer(GradientCheckpointingLayer):
-    def __init__(self, config, pre_norm: bool):
+    def __init__(self, config, options, pre_norm: bool):
         super().__init__()
         self.pre_norm = pre_norm
-        self.attention = LinearAttention(
-            config.hidden_size, config.num_attention_heads, standalone=False, **config.attention_options().to_dict()
-        )
-        self.attention_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.mlp = nn.Sequential(
-            nn.Linear(config.hidden_size, config.intermediate_size),
-            ACT2FN[config.hidden_act],
-            nn.Linear(config.intermediate_size, config.hidden_size),
-        )
-        self.mlp_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.self_attn = LinearAttention(config.hidden_size, config.num_attention_heads, options, standalone=False)
+        self.self_attn_layer_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.mlp = MLP(config.hidden_size, config.intermediate_size, config.hidden_act)
+        self.final_layer_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
 
-    def forward(self, hidden_states, attention_mask=None, position_ids=None, state=None, spe_draw=None):
+    def forward(self, hidden_states, attention_mask=None, position_ids=None, state=None, shared_draw=None):
         """hidden_states (B, N, hidden) -> (B, N, hidden)."""
-        attend = dict(attention_mask=attention_mask, position_ids=position_ids, state=state, spe_draw=spe_draw)
+        attend = dict(attention_mask=attention_mask, position_ids=position_ids, state=state, shared_draw=shared_draw)
         if self.pre_norm:
-            hidden_states = hidden_states + self.dropout(self.attention(self.attention_norm(hidden_states), **attend))
-            return hidden_states + self.dropout(self.mlp(self.mlp_norm(hidden_states)))
-        hidden_states = self.attention_norm(hidden_states + self.dropout(self.attention(hidden_states, **attend)))
-        return self.mlp_norm(hidden_states + self.dropout(self.mlp(hidden_states)))
+            hidden_states = hidden_states + self.dropout(
+                self.self_attn(self.self_attn_layer_norm(hidden_states), **attend)
+            )
+            return hidden_states + self.dropout(self.mlp(self.final_layer_norm(hidden_states)))
+        hidden_states = self.self_attn_layer_norm(hidden_states + self.dropout(self.self_attn(hidden_states, **attend)))
+        return self.final_layer_norm(hidden_states + self.dropout(self.mlp(hidden_states)))

@@ -1,47 +1,51 @@
 """The stack of layers shared by the three families, and the weight initialisation they share.
 
-The stack owns what its layers share: the SPE kernels (one set for every layer, one noise draw per forward)
-and the Performer random features' redraw (once per training step, before any layer runs, so that gradient
-checkpointing replays the same features).
+The stack owns what its layers share: the codes an encoding shares across layers (SPE's kernels: one set for
+every layer, one draw per forward) and the redraw of random features (once per training step, before any layer
+runs, so that gradient checkpointing replays the same features). The attention options are built once here.
 """
 
 from torch import nn
 from transformers import PreTrainedModel
 from transformers import initialization as init
 
-from .linear_attention import build_spe_codes
+from .registry import positional_encoding_entry
 from .transformer_layer import LinearTransformerLayer
 
 
 class LinearTransformerStack(nn.Module):
     def __init__(self, config, pre_norm: bool):
         super().__init__()
-        self.layers = nn.ModuleList([LinearTransformerLayer(config, pre_norm) for _ in range(config.num_hidden_layers)])
         options = config.attention_options()
-        head_dim = config.hidden_size // config.num_attention_heads
-        is_spe = options.positional_encoding in ("spe_sine", "spe_conv")
-        self.spe_codes = build_spe_codes(options, config.num_attention_heads, head_dim) if is_spe else None
-        self.redraw_features = (
-            options.attention == "linear" and options.feature_map == "performer" and options.performer_redraw
+        self.layers = nn.ModuleList(
+            [LinearTransformerLayer(config, options, pre_norm) for _ in range(config.num_hidden_layers)]
         )
+        build_shared = positional_encoding_entry(options.positional_encoding).build_shared
+        head_dim = config.hidden_size // config.num_attention_heads
+        self.shared_codes = build_shared(options, config.num_attention_heads, head_dim) if build_shared else None
 
     def forward(self, hidden_states, attention_mask=None, position_ids=None, cache=None, output_hidden_states=False):
-        """hidden_states (B, N, hidden) -> last hidden states and, if asked, the input of every layer plus the last."""
-        if self.training and self.redraw_features:
+        """hidden_states (B, N, hidden); attention_mask (B, N) bool or None; position_ids (B, N) or (B, N, 2).
+        Returns the last hidden states and, if asked, the input of every layer."""
+        if self.training:
             for layer in self.layers:
-                layer.attention.feature_map.redraw_projection()
-        spe_draw = None
-        if self.spe_codes is not None:
-            spe_draw = self.spe_codes.draw(hidden_states.device)
+                layer.self_attn.redraw_random_features()
+        shared_draw = None
+        if self.shared_codes is not None:
+            shared_draw = self.shared_codes.draw(hidden_states.device)
             positions = position_ids[..., None] if position_ids.dim() == 2 else position_ids
-            self.spe_codes.prepare(spe_draw, positions.expand(hidden_states.shape[0], -1, -1).long())
+            self.shared_codes.prepare(shared_draw, positions.expand(hidden_states.shape[0], -1, -1).long())
         all_hidden_states = [] if output_hidden_states else None
         for index, layer in enumerate(self.layers):
             if output_hidden_states:
                 all_hidden_states.append(hidden_states)
             state = cache.states[index] if cache is not None else None
             hidden_states = layer(
-                hidden_states, attention_mask=attention_mask, position_ids=position_ids, state=state, spe_draw=spe_draw
+                hidden_states,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                state=state,
+                shared_draw=shared_draw,
             )
         return hidden_states, all_hidden_states
 

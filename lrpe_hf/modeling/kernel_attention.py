@@ -1,0 +1,123 @@
+"""The linear (kernel) attention path: feature map, positional transform of the features, normalisation.
+
+Per head, with phi the feature map and A_s, B_t the encoding's transforms of the features:
+
+    out_s = sum_t w(s, t) <A_s phi(q_s), B_t phi(k_t)> v_t / norm_s,
+
+summed over every t (bidirectional) or t <= s (causal); w(s, t) = exp(log_decay (p_s - p_t)) for a decaying
+encoding (PermuteFormer), 1 otherwise. ``norm_s`` is one of three normalisations:
+
+- ``denominator``: sum_t w(s, t) <A_s phi(q_s), B_t phi(k_t)> + eps, folded into the product as a ones column;
+- ``unrotated_denominator``: sum_t w(s, t) <phi(q_s), phi(k_t)> + eps (RoFormer eq. 19);
+- ``output_norm``: none; the output is normalised per head by an RMSNorm (the LRPE authors' choice).
+
+eps is defined on the unstabilised scale: where an exponential feature map divided every term of output s by
+exp(log_scale_s), eps is multiplied by exp(-log_scale_s) (and the RMSNorm's by its square).
+"""
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .attention_kernels import bidirectional_linear_attention, causal_linear_attention
+from .attention_state import TensorState
+from .registry import build_feature_map
+
+
+def nonzero(denominator: torch.Tensor) -> torch.Tensor:
+    """The denominator, with rows that underflowed (below the dtype's smallest normal number, where a ratio has
+    lost its precision) set to infinity, so that their output is 0."""
+    return denominator.masked_fill(denominator.abs() < torch.finfo(denominator.dtype).tiny, float("inf"))
+
+
+@dataclass
+class KernelAttentionState(TensorState):
+    """``kv``: sum_t w(s, t) k_t v_t^T, with a ones column appended to v for the transformed denominator
+    (B, H, m, d [+1]); ``key_sum``: the unrotated denominator's state (B, H, m', 1); ``key_max``: the running
+    key maximum of exponential feature maps (B, H)."""
+
+    kv: torch.Tensor | None = None
+    key_sum: torch.Tensor | None = None
+    key_max: torch.Tensor | None = None
+
+
+class KernelAttention(nn.Module):
+    """q, k (B, H, N, D'), v (B, H, N, d) -> out (B, H, N, d). ``feature_dim`` is phi's output width."""
+
+    State = KernelAttentionState
+
+    def __init__(self, options, head_dim: int, query_key_dim: int):
+        super().__init__()
+        self.causal, self.chunk_size = options.causal, options.chunk_size
+        self.normalization, self.eps = options.normalization, options.eps
+        self.feature_map = build_feature_map(options, query_key_dim)
+        self.feature_dim = self.feature_map.output_dim
+        self.output_norm = nn.RMSNorm(head_dim, eps=options.eps) if self.normalization == "output_norm" else None
+
+    def forward(self, q, k, v, mask, positions, encoding, state=None, last_position=None):
+        """mask (B, N) bool or None; positions (B, N, A); state: this path's state (causal decoding) or None;
+        last_position (B,): the previous call's last position, or None."""
+        features = self.feature_map.features(q, k, mask, self.causal, state.key_max if state else None)
+        gates = features.log_gates
+        if encoding.log_decay is not None and not self.causal:
+            raise ValueError(f"{type(encoding).__name__} decays with distance: it is for causal attention only")
+        decay = self.decay_gates(encoding.log_decay, positions, last_position, q.dtype)
+        if decay is not None:
+            gates = decay if gates is None else gates + decay
+        tq, tk = encoding.encode_features(features.query, features.key, positions)
+        if self.normalization == "denominator":
+            ones = torch.ones_like(v[..., :1])
+            if mask is not None:
+                ones = ones * mask[:, None, :, None].to(v.dtype)
+            v = torch.cat([v, ones], dim=-1)
+        if self.causal:
+            out, kv = causal_linear_attention(tq, tk, v, gates, state.kv if state else None, self.chunk_size)
+        else:
+            out, kv = bidirectional_linear_attention(tq, tk, v), None
+        if state is not None:
+            state.kv, state.key_max = kv, features.key_max
+        if features.log_scale is None:
+            if self.normalization == "denominator":
+                return out[..., :-1] / (out[..., -1:] + self.eps)
+            if self.normalization == "unrotated_denominator":
+                return out / (self.unrotated_denominator(features.query, features.key, gates, state) + self.eps)
+            return self.output_norm(out)
+        # Stabilised features: eps on the unstabilised scale. A row whose every term underflowed (logits spread
+        # over ~80 or more in float32) has no precision left: its output is 0 instead of noise or NaN.
+        eps = self.eps * torch.exp(-features.log_scale).to(out.dtype)
+        if self.normalization == "denominator":
+            return out[..., :-1] / nonzero(out[..., -1:] + eps)
+        if self.normalization == "unrotated_denominator":
+            return out / nonzero(self.unrotated_denominator(features.query, features.key, gates, state) + eps)
+        mean_square = out.pow(2).mean(-1, keepdim=True) + self.eps * torch.exp(-2 * features.log_scale).to(out.dtype)
+        return out / nonzero(mean_square.sqrt()) * self.output_norm.weight.to(out.dtype)
+
+    @staticmethod
+    def decay_gates(log_decay, positions, last_position, dtype):
+        """A decaying encoding's per-token log gates log_decay * (p_t - p_{t-1}): (B, H, N), or None."""
+        if log_decay is None:
+            return None
+        p = positions[..., 0]
+        before = last_position[:, None] if last_position is not None else p[:, :1]
+        steps = (p - torch.cat([before, p[:, :-1]], dim=-1)).clamp_min(0)
+        dtype = torch.promote_types(dtype, torch.float32)
+        return log_decay.to(dtype)[None, :, None] * steps[:, None, :].to(dtype)
+
+    def unrotated_denominator(self, fq, fk, gates, state):
+        """<phi(q_s), sum_t w(s, t) phi(k_t)> without the positional transform (RoFormer eq. 19): (B, H, N, 1)."""
+        if not self.causal:
+            return fq @ fk.sum(-2)[..., None]
+        previous = state.key_sum if state is not None else None
+        if gates is None:
+            sums = fk.cumsum(-2)
+            if previous is not None:
+                sums = sums + previous.transpose(-1, -2)
+            if state is not None:
+                state.key_sum = sums[..., -1:, :].transpose(-1, -2)
+            return (fq * sums).sum(-1, keepdim=True)
+        ones = torch.ones_like(fk[..., :1])
+        denominator, key_sum = causal_linear_attention(fq, fk, ones, gates, previous, self.chunk_size)
+        if state is not None:
+            state.key_sum = key_sum
+        return denominator

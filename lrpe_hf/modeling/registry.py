@@ -1,0 +1,244 @@
+"""Registries of positional encodings, kernel feature maps and LRPE P matrices: the one place that maps a name
+to a builder and to the facts the rest of the library needs about it.
+
+The built-in components register at the bottom of this file through the same public functions a user calls::
+
+    register_positional_encoding("alibi", builder, default_normalization="denominator")
+    register_feature_map("squared_relu", builder)
+
+Builders:
+- a positional encoding: ``builder(options, num_heads, head_dim, feature_dim) -> PositionalEncoding``, where
+  ``feature_dim`` is the width of the features it transforms (the feature map's output for linear attention,
+  the query/key width for softmax attention);
+- a feature map: ``builder(options, input_dim) -> FeatureMap``;
+- an LRPE P matrix: ``builder(num_heads, dim, learnable) -> nn.Module`` acting on the last dimension.
+"""
+
+from dataclasses import dataclass
+from typing import Callable
+
+from torch import nn
+
+from .feature_maps import (
+    DPFPFeatureMap,
+    EluFeatureMap,
+    ExpFeatureMap,
+    PerformerFeatureMap,
+    ReluFeatureMap,
+)
+from .positional_encoding import NoPositionalEncoding
+from .positional_fastrpb import FastRelativePositionBias
+from .positional_lrpe import (
+    DCTMatrix,
+    HouseholderReflection,
+    LRPEOrthogonal,
+    LRPEPermutation,
+    LRPEUnitary,
+    OddEvenPermutation,
+)
+from .positional_permute import PermutePositionalEncoding
+from .positional_rope import RotaryPositionalEncoding
+from .positional_spe import ConvSPECodes, SineSPECodes, StochasticPositionalEncoding
+
+NORMALIZATIONS = ("denominator", "unrotated_denominator", "output_norm")
+
+
+@dataclass(frozen=True)
+class PositionalEncodingEntry:
+    """A registered positional encoding.
+
+    Attributes:
+        builder: ``builder(options, num_heads, head_dim, feature_dim) -> PositionalEncoding``.
+        signed_features: its transformed features can be negative (rotations), so the plain ``denominator``
+            normalisation is refused: it could vanish.
+        default_normalization: the normalisation used when the config leaves it unset.
+        needs_max_positions: it learns one weight per relative distance up to ``max_positions``.
+        build_shared: ``build_shared(options, num_heads, head_dim)`` -> a module that every layer of a model
+            shares (SPE's kernels), with ``draw(device)`` and ``prepare(draw, positions)``; ``None`` if none.
+        supports_2d: it has a form for (row, col) positions of image patches.
+        query_key_dim: ``query_key_dim(options, head_dim)``, the width of queries and keys after
+            ``encode_query_key`` when the encoding changes it (SPE: its number of realizations); ``None``: head_dim.
+    """
+
+    builder: Callable
+    signed_features: bool = False
+    default_normalization: str = "denominator"
+    needs_max_positions: bool = False
+    build_shared: Callable | None = None
+    supports_2d: bool = True
+    query_key_dim: Callable | None = None
+
+    def width_of_queries_and_keys(self, options, head_dim: int) -> int:
+        return self.query_key_dim(options, head_dim) if self.query_key_dim else head_dim
+
+
+@dataclass(frozen=True)
+class FeatureMapEntry:
+    """A registered feature map: ``builder(options, input_dim) -> FeatureMap``."""
+
+    builder: Callable
+
+
+POSITIONAL_ENCODING_REGISTRY: dict[str, PositionalEncodingEntry] = {}
+FEATURE_MAP_REGISTRY: dict[str, FeatureMapEntry] = {}
+P_MATRIX_REGISTRY: dict[str, Callable] = {}
+
+
+class RegisteredNames:
+    """A live, read-only tuple-like view of a registry's names, in registration order."""
+
+    def __init__(self, registry: dict):
+        self._registry = registry
+
+    def __iter__(self):
+        return iter(tuple(self._registry))
+
+    def __len__(self):
+        return len(self._registry)
+
+    def __getitem__(self, index):
+        return tuple(self._registry)[index]
+
+    def __contains__(self, name):
+        return name in self._registry
+
+    def __eq__(self, other):
+        return tuple(self) == tuple(other)
+
+    def __repr__(self):
+        return repr(tuple(self))
+
+
+POSITIONAL_ENCODINGS = RegisteredNames(POSITIONAL_ENCODING_REGISTRY)
+FEATURE_MAPS = RegisteredNames(FEATURE_MAP_REGISTRY)
+LRPE_P_MATRICES = RegisteredNames(P_MATRIX_REGISTRY)
+
+
+def _check_new_name(kind: str, name: str, registry: dict, overwrite: bool):
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"A {kind} name must be a non-empty string, got {name!r}")
+    if name in registry and not overwrite:
+        raise ValueError(f"{kind} {name!r} is already registered; pass overwrite=True to replace it")
+
+
+def register_positional_encoding(
+    name: str,
+    builder: Callable,
+    *,
+    signed_features: bool = False,
+    default_normalization: str | None = None,
+    needs_max_positions: bool = False,
+    build_shared: Callable | None = None,
+    supports_2d: bool = True,
+    query_key_dim: Callable | None = None,
+    overwrite: bool = False,
+):
+    """Make ``positional_encoding=name`` available to every config, layer and model family.
+
+    ``builder(options, num_heads, head_dim, feature_dim)`` returns a ``PositionalEncoding``. The default
+    normalisation is ``unrotated_denominator`` for encodings with signed features and ``denominator`` otherwise.
+    """
+    _check_new_name("positional encoding", name, POSITIONAL_ENCODING_REGISTRY, overwrite)
+    if default_normalization is None:
+        default_normalization = "unrotated_denominator" if signed_features else "denominator"
+    if default_normalization not in NORMALIZATIONS:
+        raise ValueError(f"default_normalization {default_normalization!r} is not one of {', '.join(NORMALIZATIONS)}")
+    if signed_features and default_normalization == "denominator":
+        raise ValueError(f"{name!r} has signed features: its default normalisation cannot be 'denominator'")
+    POSITIONAL_ENCODING_REGISTRY[name] = PositionalEncodingEntry(
+        builder, signed_features, default_normalization, needs_max_positions, build_shared, supports_2d, query_key_dim
+    )
+
+
+def register_feature_map(name: str, builder: Callable, *, overwrite: bool = False):
+    """Make ``feature_map=name`` available; ``builder(options, input_dim)`` returns a ``FeatureMap``."""
+    _check_new_name("feature map", name, FEATURE_MAP_REGISTRY, overwrite)
+    FEATURE_MAP_REGISTRY[name] = FeatureMapEntry(builder)
+
+
+def register_lrpe_p_matrix(name: str, builder: Callable, *, overwrite: bool = False):
+    """Make ``lrpe_p_matrix=name`` available; ``builder(num_heads, dim, learnable)`` returns a module."""
+    _check_new_name("LRPE P matrix", name, P_MATRIX_REGISTRY, overwrite)
+    P_MATRIX_REGISTRY[name] = builder
+
+
+def lookup(kind: str, name: str, registry: dict):
+    """The entry for ``name``, or a ValueError listing the registered names."""
+    if name not in registry:
+        raise ValueError(
+            f"Unknown {kind} {name!r}; valid values: {', '.join(registry)} (custom ones must be registered, in every "
+            f"process, before a config or model that uses them is built or loaded)"
+        )
+    return registry[name]
+
+
+def positional_encoding_entry(name: str) -> PositionalEncodingEntry:
+    return lookup("positional_encoding", name, POSITIONAL_ENCODING_REGISTRY)
+
+
+def build_positional_encoding(options, num_heads: int, head_dim: int, feature_dim: int):
+    return positional_encoding_entry(options.positional_encoding).builder(options, num_heads, head_dim, feature_dim)
+
+
+def build_feature_map(options, input_dim: int):
+    return lookup("feature_map", options.feature_map, FEATURE_MAP_REGISTRY).builder(options, input_dim)
+
+
+def build_p_matrix(options, num_heads: int, dim: int):
+    builder = lookup("lrpe_p_matrix", options.lrpe_p_matrix, P_MATRIX_REGISTRY)
+    return builder(num_heads, dim, options.lrpe_learnable_p)
+
+
+# ---------------------------------------------------------------- the built-in components
+register_feature_map("elu", lambda options, dim: EluFeatureMap(dim))
+register_feature_map("relu", lambda options, dim: ReluFeatureMap(dim, options.relu_eps))
+register_feature_map("exp", lambda options, dim: ExpFeatureMap(dim))
+register_feature_map("dpfp", lambda options, dim: DPFPFeatureMap(dim, options.dpfp_nu))
+register_feature_map(
+    "performer", lambda options, dim: PerformerFeatureMap(dim, options.performer_features, options.performer_redraw)
+)
+
+register_lrpe_p_matrix("householder", HouseholderReflection)
+register_lrpe_p_matrix("identity", lambda num_heads, dim, learnable: nn.Identity())
+register_lrpe_p_matrix("odd_even", lambda num_heads, dim, learnable: OddEvenPermutation(dim))
+register_lrpe_p_matrix("dct", lambda num_heads, dim, learnable: DCTMatrix(dim))
+
+
+def spe_width(options, head_dim):
+    return options.spe_realizations
+
+
+register_positional_encoding("none", lambda options, num_heads, head_dim, feature_dim: NoPositionalEncoding())
+register_positional_encoding("rope", RotaryPositionalEncoding.from_options, signed_features=True)
+register_positional_encoding(
+    "lrpe_unitary",
+    lambda o, h, d, m: LRPEUnitary.from_options(o, h, d, m, build_p_matrix(o, h, m)),
+    signed_features=True,
+    default_normalization="output_norm",
+)
+register_positional_encoding(
+    "lrpe_orthogonal",
+    lambda o, h, d, m: LRPEOrthogonal.from_options(o, h, d, m, build_p_matrix(o, h, m)),
+    signed_features=True,
+    default_normalization="output_norm",
+)
+register_positional_encoding(
+    "lrpe_permutation",
+    lambda o, h, d, m: LRPEPermutation.from_options(o, h, d, m, build_p_matrix(o, h, m)),
+    signed_features=True,
+    default_normalization="output_norm",
+)
+register_positional_encoding("permute", PermutePositionalEncoding.from_options)
+register_positional_encoding(
+    "spe_sine",
+    StochasticPositionalEncoding.from_options,
+    build_shared=SineSPECodes.from_options,
+    query_key_dim=spe_width,
+)
+register_positional_encoding(
+    "spe_conv",
+    StochasticPositionalEncoding.from_options,
+    build_shared=ConvSPECodes.from_options,
+    query_key_dim=spe_width,
+)
+register_positional_encoding("fastrpb", FastRelativePositionBias.from_options, needs_max_positions=True)

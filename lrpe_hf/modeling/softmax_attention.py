@@ -1,0 +1,66 @@
+"""The quadratic baseline: softmax attention through SDPA, with the same positional encodings.
+
+The encoding transforms the raw queries and keys; the temperature is 1 / sqrt(width of the queries before the
+transform), so an encoding that reduces to the identity gives plain softmax attention (LRPE Type 1's real form
+doubles the width without changing q . k). PermuteFormer's decay becomes the additive log bias
+log_decay (p_s - p_t) for p_s >= p_t.
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from .attention_state import TensorState
+
+
+@dataclass
+class SoftmaxAttentionState(TensorState):
+    """Every past key (B, H, T, D'), value (B, H, T, d), padding mask (B, T) and position (B, T, A)."""
+
+    keys: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+    key_mask: torch.Tensor | None = None
+    key_positions: torch.Tensor | None = None
+
+
+class SoftmaxAttention(nn.Module):
+    """q, k (B, H, N, D'), v (B, H, N, d) -> out (B, H, N, d)."""
+
+    State = SoftmaxAttentionState
+
+    def __init__(self, options, head_dim: int, query_key_dim: int):
+        super().__init__()
+        self.causal = options.causal
+        self.scale = 1.0 / math.sqrt(query_key_dim)
+
+    def forward(self, q, k, v, mask, positions, encoding, state=None, last_position=None):
+        q, k = encoding.encode_features(q, k, positions)
+        B, H, N, _ = q.shape
+        key_mask = mask if mask is not None else torch.ones(B, N, dtype=torch.bool, device=q.device)
+        key_positions = positions
+        if state is not None:
+            if state.keys is not None:
+                k = torch.cat([state.keys, k], dim=2)
+                v = torch.cat([state.values, v], dim=2)
+                key_mask = torch.cat([state.key_mask, key_mask], dim=1)
+                key_positions = torch.cat([state.key_positions, positions], dim=1)
+            state.keys, state.values, state.key_mask, state.key_positions = k, v, key_mask, key_positions
+        log_decay = encoding.log_decay
+        if log_decay is not None and not self.causal:
+            raise ValueError(f"{type(encoding).__name__} decays with distance: it is for causal attention only")
+        if mask is None and state is None and log_decay is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, scale=self.scale)
+        T = k.shape[2]
+        allowed = key_mask[:, None, None, :].expand(B, 1, N, T)
+        if self.causal:
+            order = torch.arange(T - N, T, device=q.device)[:, None] >= torch.arange(T, device=q.device)[None, :]
+            allowed = allowed & order
+        allowed = allowed | ~allowed.any(-1, keepdim=True)  # rows with no key (padding): outputs are zeroed later
+        bias = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill(~allowed, float("-inf"))
+        if log_decay is not None:
+            distance = (positions[:, :, 0, None] - key_positions[:, None, :, 0]).clamp_min(0)  # (B, N, T)
+            bias = bias + log_decay.to(q.dtype)[None, :, None, None] * distance[:, None].to(q.dtype)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=self.scale)
