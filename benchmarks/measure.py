@@ -1,5 +1,6 @@
 """Timing and peak-memory helpers shared by the benchmark scripts."""
 
+import json
 import os
 import resource
 import time
@@ -46,10 +47,10 @@ def in_child(fn):
         except Exception as error:
             result = {"error": f"{type(error).__name__}: {str(error)[:80]}"}
         with os.fdopen(write, "w") as out:
-            out.write(repr(result))
+            json.dump(result, out)
         os._exit(0)
     os.close(write)
     with os.fdopen(read) as pipe:
         text = pipe.read()
     os.waitpid(pid, 0)
-    return eval(text) if text else {"error": "child died (out of memory?)"}
+    return json.loads(text) if text else {"error": "child died (out of memory?)"}
