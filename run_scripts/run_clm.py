@@ -9,9 +9,7 @@ Start from a checkpoint with --model_name_or_path, or build a new model from --c
 fields on the command line (--positional_encoding, --feature_map, sizes, --config_overrides '{...}').
 """
 
-from pathlib import Path
-
 from lrpe_hf.training.language_modeling import main
 
 if __name__ == "__main__":
-    main("clm", template_dir=Path(__file__).resolve().parents[1] / "model_cards")
+    main("clm")

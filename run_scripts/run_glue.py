@@ -15,26 +15,21 @@ regression.
 """
 
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 from datasets import DatasetDict
 from transformers import (
     AutoModelForSequenceClassification,
-    AutoTokenizer,
     DataCollatorWithPadding,
     HfArgumentParser,
     TrainingArguments,
-    set_seed,
 )
 
 from lrpe_hf import LinearRobertaConfig, LinearRobertaForSequenceClassification
-from lrpe_hf.training.arguments import ModelArguments, build_config
-from lrpe_hf.training.data import check_columns, check_tokenizer, load_files_or_hub
+from lrpe_hf.training.arguments import ModelArguments, build_config, parse_script_arguments
+from lrpe_hf.training.data import check_columns, load_files_or_hub, load_tokenizer, select_samples
 from lrpe_hf.training.metrics import GLUE_TASKS, load_glue_metric
-from lrpe_hf.training.trainer import CardTrainer, finish
-
-MODEL_CARDS = Path(__file__).resolve().parents[1] / "model_cards"
+from lrpe_hf.training.trainer import CardTrainer, train_and_evaluate
 
 TASK_KEYS = {
     "cola": ("sentence", None),
@@ -79,8 +74,7 @@ def text_columns(args: GlueDataArguments, columns: list[str]) -> tuple[str, str 
 
 def main(args=None):
     parser = HfArgumentParser((ModelArguments, GlueDataArguments, TrainingArguments))
-    model_args, data_args, training_args = parser.parse_args_into_dataclasses(args=args)
-    set_seed(training_args.seed)
+    model_args, data_args, training_args = parse_script_arguments(parser, args)
 
     if data_args.task_name is not None:
         data_args.task_name = data_args.task_name.lower()
@@ -108,11 +102,7 @@ def main(args=None):
         if num_labels < 2:
             raise ValueError(f"The label column {data_args.label_column!r} has a single value: nothing to classify")
 
-    tokenizer_name = model_args.tokenizer_name or model_args.model_name_or_path
-    if not tokenizer_name:
-        raise ValueError("Give --model_name_or_path (a pretrained checkpoint) or --tokenizer_name")
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_name)
-    check_tokenizer(tokenizer, ["pad_token"], "batching sentences of different lengths")
+    tokenizer = load_tokenizer(model_args, ["pad_token"], "batching sentences of different lengths")
     label_fields = {"num_labels": num_labels}
     if label_names:
         label_fields.update(
@@ -148,11 +138,8 @@ def main(args=None):
 
     with training_args.main_process_first(desc="tokenizing"):
         encoded = dataset.map(preprocess, batched=True, remove_columns=dataset["train"].column_names, desc="Tokenizing")
-    train, evaluation = encoded["train"], encoded.get("validation")
-    if data_args.max_train_samples:
-        train = train.select(range(min(len(train), data_args.max_train_samples)))
-    if evaluation is not None and data_args.max_eval_samples:
-        evaluation = evaluation.select(range(min(len(evaluation), data_args.max_eval_samples)))
+    train = select_samples(encoded["train"], data_args.max_train_samples)
+    evaluation = select_samples(encoded.get("validation"), data_args.max_eval_samples)
 
     metric = load_glue_metric(data_args.task_name or ("regression" if is_regression else None))
 
@@ -163,7 +150,6 @@ def main(args=None):
 
     source = f"GLUE {data_args.task_name}" if data_args.task_name else data_args.train_file
     card = dict(
-        template_dir=MODEL_CARDS,
         task_description=f"fine-tuned for sequence classification on {source}",
         auto_class="AutoModelForSequenceClassification",
         datasets=["nyu-mll/glue"] if data_args.task_name else [],
@@ -181,8 +167,7 @@ def main(args=None):
         compute_metrics=compute_metrics,
         card=card,
     )
-    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
-    return finish(trainer, evaluation is not None)
+    return train_and_evaluate(trainer)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,6 @@ Preprocessing is a Transformers ``ViTImageProcessor`` (resize, rescale, normalis
 """
 
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -19,16 +18,13 @@ from transformers import (
     HfArgumentParser,
     TrainingArguments,
     ViTImageProcessor,
-    set_seed,
 )
 
 from lrpe_hf import LinearViTConfig, LinearViTForImageClassification
-from lrpe_hf.training.arguments import ModelArguments, build_config
-from lrpe_hf.training.data import check_columns, load_files_or_hub
+from lrpe_hf.training.arguments import ModelArguments, build_config, parse_script_arguments
+from lrpe_hf.training.data import check_columns, load_files_or_hub, select_samples
 from lrpe_hf.training.metrics import load_glue_metric
-from lrpe_hf.training.trainer import CardTrainer, finish
-
-MODEL_CARDS = Path(__file__).resolve().parents[1] / "model_cards"
+from lrpe_hf.training.trainer import CardTrainer, train_and_evaluate
 
 
 @dataclass
@@ -48,9 +44,8 @@ class ImageDataArguments:
 
 def main(args=None):
     parser = HfArgumentParser((ModelArguments, ImageDataArguments, TrainingArguments))
-    model_args, data_args, training_args = parser.parse_args_into_dataclasses(args=args)
+    model_args, data_args, training_args = parse_script_arguments(parser, args)
     training_args.remove_unused_columns = False  # the transform needs the raw image column
-    set_seed(training_args.seed)
 
     dataset = load_files_or_hub(data_args.dataset_name, data_args.dataset_config, data_dir=data_args.data_dir)
     check_columns(dataset, [data_args.image_column, data_args.label_column])
@@ -98,11 +93,9 @@ def main(args=None):
         pixels = processor(images, return_tensors="pt", input_data_format="channels_last" if mode == "RGB" else None)
         return {"pixel_values": pixels["pixel_values"], "labels": batch[data_args.label_column]}
 
-    train, evaluation = dataset["train"], dataset.get("validation")
-    if data_args.max_train_samples:
-        train = train.shuffle(seed=training_args.seed).select(range(min(len(train), data_args.max_train_samples)))
-    if evaluation is not None and data_args.max_eval_samples:
-        evaluation = evaluation.select(range(min(len(evaluation), data_args.max_eval_samples)))
+    # imagefolder lists the classes one after another: shuffle before taking a training subset
+    train = select_samples(dataset["train"], data_args.max_train_samples, shuffle_seed=training_args.seed)
+    evaluation = select_samples(dataset.get("validation"), data_args.max_eval_samples)
     train = train.with_transform(transform)
     evaluation = evaluation.with_transform(transform) if evaluation is not None else None
 
@@ -119,7 +112,6 @@ def main(args=None):
 
     source = data_args.dataset_name or data_args.data_dir
     card = dict(
-        template_dir=MODEL_CARDS,
         task_description=f"trained for image classification on {source}",
         auto_class="AutoModelForImageClassification",
         pipeline_tag="image-classification",
@@ -137,8 +129,7 @@ def main(args=None):
         compute_metrics=compute_metrics,
         card=card,
     )
-    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
-    return finish(trainer, evaluation is not None)
+    return train_and_evaluate(trainer)
 
 
 if __name__ == "__main__":

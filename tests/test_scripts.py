@@ -10,18 +10,17 @@ import time
 from pathlib import Path
 
 import pytest
+import run_glue
+import run_image_classification
 import torch
+import train_tokenizer
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoModelForMaskedLM, AutoTokenizer
 
+from lrpe_hf.training.language_modeling import main as run_language_modeling
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "run_scripts"))
-
-import run_glue  # noqa: E402
-import run_image_classification  # noqa: E402
-import train_tokenizer  # noqa: E402
-
-from lrpe_hf.training.language_modeling import main as run_language_modeling  # noqa: E402
+pytestmark = pytest.mark.slow  # each test trains a small model through a run script
 
 TINY = ["--hidden_size", "32", "--num_hidden_layers", "2", "--num_attention_heads", "4", "--intermediate_size", "64"]
 QUIET = ["--report_to", "none", "--disable_tqdm", "true", "--save_strategy", "no", "--seed", "0"]

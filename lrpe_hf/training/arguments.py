@@ -1,10 +1,13 @@
 """Command-line arguments that build a model config, shared by the run scripts (parsed by HfArgumentParser)."""
 
 import json
+import sys
 from dataclasses import dataclass, field
 
-from ..modeling.attention_options import POSITIONAL_ENCODINGS
-from ..modeling.feature_maps import FEATURE_MAPS
+import transformers
+from transformers import set_seed
+
+from ..modeling.registry import FEATURE_MAPS, POSITIONAL_ENCODINGS
 
 
 @dataclass
@@ -50,6 +53,22 @@ class ModelArguments:
             except json.JSONDecodeError as error:
                 raise ValueError(f"--config_overrides must be a JSON object: {error}") from None
         return fields_
+
+
+def parse_script_arguments(parser, args=None):
+    """Parse a script's dataclasses (the last one ``TrainingArguments``), set the seed and the log level.
+
+    ``--do_train`` and ``--do_eval`` are honoured as in Transformers' example scripts; a run that gives neither
+    trains and then evaluates (a ``--eval_strategy`` alone also turns ``do_eval`` on, as in Transformers).
+    """
+    argv = sys.argv[1:] if args is None else [str(a) for a in args]
+    parsed = parser.parse_args_into_dataclasses(args=args)
+    training_args = parsed[-1]
+    if not any(a.split("=")[0] in ("--do_train", "--do_eval") for a in argv):
+        training_args.do_train = training_args.do_eval = True
+    transformers.utils.logging.set_verbosity(training_args.get_process_log_level())
+    set_seed(training_args.seed)
+    return parsed
 
 
 def build_config(model_args: ModelArguments, config_class, **task_fields):

@@ -6,6 +6,7 @@ Every check runs before training starts and stops with a message that says what 
 from pathlib import Path
 
 from datasets import DatasetDict, load_dataset
+from transformers import AutoTokenizer
 
 EXTENSIONS = {".txt": "text", ".csv": "csv", ".tsv": "csv", ".json": "json", ".jsonl": "json"}
 
@@ -58,10 +59,30 @@ def check_columns(dataset: DatasetDict, columns: list[str]):
             raise ValueError(f"The {split} data is empty")
 
 
-def check_tokenizer(tokenizer, needed: list[str], purpose: str):
-    missing = [name for name in needed if getattr(tokenizer, name, None) is None]
+def select_samples(split, max_samples: int | None, shuffle_seed: int | None = None):
+    """The first ``max_samples`` examples of ``split`` (after a seeded shuffle if ``shuffle_seed`` is given);
+    the whole split when ``max_samples`` is None, and None stays None."""
+    if split is None or not max_samples:
+        return split
+    if shuffle_seed is not None:
+        split = split.shuffle(seed=shuffle_seed)
+    return split.select(range(min(len(split), max_samples)))
+
+
+def load_tokenizer(model_args, needed: list[str], purpose: str):
+    """The tokenizer of ``--tokenizer_name``, else of ``--model_name_or_path``, checked for the special tokens
+    in ``needed`` (attribute names such as ``"mask_token"``) that ``purpose`` needs."""
+    name = model_args.tokenizer_name or model_args.model_name_or_path
+    if not name:
+        raise ValueError(
+            "Give --tokenizer_name (see run_scripts/train_tokenizer.py) or --model_name_or_path (a checkpoint that "
+            "has a tokenizer)"
+        )
+    tokenizer = AutoTokenizer.from_pretrained(name)
+    missing = [token for token in needed if getattr(tokenizer, token, None) is None]
     if missing:
         raise ValueError(
             f"The tokenizer has no {', '.join(missing)}, which {purpose} needs; train one with "
             "run_scripts/train_tokenizer.py or add the special tokens"
         )
+    return tokenizer

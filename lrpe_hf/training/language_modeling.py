@@ -4,22 +4,18 @@ import math
 from dataclasses import dataclass, field
 from itertools import chain
 
-import transformers
 from transformers import (
     AutoModelForCausalLM,
     AutoModelForMaskedLM,
-    AutoTokenizer,
     DataCollatorForLanguageModeling,
     HfArgumentParser,
     TrainingArguments,
-    set_seed,
 )
 
 from .. import LinearGPTConfig, LinearGPTForCausalLM, LinearRobertaConfig, LinearRobertaForMaskedLM
-from .arguments import ModelArguments, build_config
-from .data import check_columns, check_tokenizer, load_files_or_hub
-from .model_card import TEMPLATES
-from .trainer import CardTrainer, finish
+from .arguments import ModelArguments, build_config, parse_script_arguments
+from .data import check_columns, load_files_or_hub, load_tokenizer, select_samples
+from .trainer import CardTrainer, train_and_evaluate
 
 KINDS = {
     "mlm": dict(
@@ -71,26 +67,19 @@ def group_into_blocks(dataset, tokenizer, text_column: str, block_size: int):
     return tokenized.map(group, batched=True, batch_size=1000, desc=f"Grouping into blocks of {block_size}")
 
 
-def main(kind: str, args=None, template_dir=None):
-    """Masked ("mlm") or causal ("clm") language-model training; ``template_dir`` holds the model-card
-    templates (default: model_cards/ of the source tree)."""
+def main(kind: str, args=None):
+    """Masked ("mlm") or causal ("clm") language-model training."""
     spec = KINDS[kind]
     parser = HfArgumentParser((ModelArguments, LanguageModelingDataArguments, TrainingArguments))
-    model_args, data_args, training_args = parser.parse_args_into_dataclasses(args=args)
-    if training_args.should_log:
-        transformers.utils.logging.set_verbosity_info()
-    set_seed(training_args.seed)
+    model_args, data_args, training_args = parse_script_arguments(parser, args)
 
     # Everything that can be wrong is checked before any training starts.
     dataset = load_files_or_hub(
         data_args.dataset_name, data_args.dataset_config, data_args.train_file, data_args.validation_file
     )
     check_columns(dataset, [data_args.text_column])
-    tokenizer_name = model_args.tokenizer_name or model_args.model_name_or_path
-    if not tokenizer_name:
-        raise ValueError("Give --tokenizer_name (see run_scripts/train_tokenizer.py) or --model_name_or_path")
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_name)
-    check_tokenizer(tokenizer, spec["needed"], "masked language modelling" if kind == "mlm" else "causal LM")
+    purpose = "masked language modelling" if kind == "mlm" else "causal LM"
+    tokenizer = load_tokenizer(model_args, spec["needed"], purpose)
     if model_args.model_name_or_path:
         model = spec["auto"].from_pretrained(
             model_args.model_name_or_path, trust_remote_code=model_args.trust_remote_code
@@ -109,19 +98,14 @@ def main(kind: str, args=None, template_dir=None):
 
     with training_args.main_process_first(desc="preparing the data"):
         blocks = group_into_blocks(dataset, tokenizer, data_args.text_column, data_args.block_size)
-    train = blocks["train"]
-    if data_args.max_train_samples:
-        train = train.select(range(min(len(train), data_args.max_train_samples)))
-    evaluation = blocks.get("validation")
-    if evaluation is not None and data_args.max_eval_samples:
-        evaluation = evaluation.select(range(min(len(evaluation), data_args.max_eval_samples)))
+    train = select_samples(blocks["train"], data_args.max_train_samples)
+    evaluation = select_samples(blocks.get("validation"), data_args.max_eval_samples)
     if len(train) == 0:
         raise ValueError(f"The training text is shorter than one block of {data_args.block_size} tokens")
 
     collator = DataCollatorForLanguageModeling(tokenizer, mlm=kind == "mlm", mlm_probability=data_args.mlm_probability)
     source = data_args.dataset_name or data_args.train_file
     card = dict(
-        template_dir=template_dir or TEMPLATES,
         task_description=f"{spec['what']} on {source}",
         auto_class=spec["auto_name"],
         datasets=[data_args.dataset_name] if data_args.dataset_name else [],
@@ -138,7 +122,4 @@ def main(kind: str, args=None, template_dir=None):
         processing_class=tokenizer,
         card=card,
     )
-    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
-    return finish(
-        trainer, evaluation is not None, extra_metrics=lambda m: {"eval_perplexity": math.exp(min(m["eval_loss"], 50))}
-    )
+    return train_and_evaluate(trainer, extra_metrics=lambda m: {"eval_perplexity": math.exp(min(m["eval_loss"], 50))})

@@ -1,11 +1,10 @@
-"""Model cards for trained checkpoints: Hub metadata plus a filled-in template from model_cards/."""
+"""Model cards for trained checkpoints: Hub metadata plus a filled-in template (package data in model_cards/)."""
 
+from importlib import resources
 from pathlib import Path
 from string import Template
 
 from huggingface_hub import ModelCard, ModelCardData
-
-TEMPLATES = Path(__file__).resolve().parents[2] / "model_cards"
 
 
 def results_table(metrics: dict) -> str:
@@ -30,11 +29,10 @@ def write_model_card(
     training: str,
     pipeline_tag: str,
     license: str = "apache-2.0",
-    template_dir: Path = TEMPLATES,
 ) -> Path:
-    """Render ``model_cards/<model_type>.md`` into ``output_dir/README.md`` with Hub metadata."""
+    """Render the card template of the model's family into ``output_dir/README.md`` with Hub metadata."""
     config = model.config
-    template = Template((Path(template_dir) / f"{config.model_type}.md").read_text())
+    template = Template(resources.files(__package__).joinpath("model_cards", f"{config.model_type}.md").read_text())
     options = config.attention_options()
     data = ModelCardData(
         license=license,

@@ -1,4 +1,4 @@
-"""A Trainer whose model card is the lrpe-hf card, and the end-of-run steps every script shares."""
+"""A Trainer whose model card is the lrpe-hf card, and the train / evaluate / save steps every script shares."""
 
 from pathlib import Path
 
@@ -28,12 +28,22 @@ class CardTrainer(Trainer):
         write_model_card(self.args.output_dir, self.model, model_id=model_id, metrics=self.card_metrics, **self.card)
 
 
-def finish(trainer: CardTrainer, has_evaluation: bool, extra_metrics=None) -> dict:
-    """Save the model and state, evaluate, write metrics, the loss-curve PNG and the card; push if asked."""
+def train_and_evaluate(trainer: CardTrainer, extra_metrics=None) -> dict:
+    """Train (``--do_train``), evaluate (``--do_eval``, when there is evaluation data), then save the model, its
+    state, the metrics, the loss-curve PNG and the card, and push if asked (see ``parse_script_arguments`` for
+    the flags' defaults).
+
+    ``extra_metrics(metrics)`` returns more metrics computed from the evaluation's (e.g. perplexity)."""
+    args = trainer.args
+    do_train, do_eval = args.do_train, args.do_eval
+    if do_eval and trainer.eval_dataset is None and not do_train:
+        raise ValueError("--do_eval needs evaluation data (--validation_file, a validation split or --data_dir)")
+    if do_train:
+        trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     trainer.save_model()
     trainer.save_state()
     metrics = {}
-    if has_evaluation:
+    if do_eval and trainer.eval_dataset is not None:
         metrics = trainer.evaluate()
         if extra_metrics:
             metrics.update(extra_metrics(metrics))
