@@ -1,11 +1,15 @@
 """Every encoding, bidirectional and causal, several feature maps, against the explicit O(N^2) formulas."""
 
+import math
+
 import pytest
 import torch
+from torch.nn import functional as F
 from conftest import SECOND_FEATURE_MAP, make_layer
 from reference import reference_attention
 
-from lrpe_hf import POSITIONAL_ENCODINGS
+from lrpe_hf import POSITIONAL_ENCODINGS, LinearAttention
+
 
 def padded_inputs(causal, batch=2, tokens=11, hidden=16, seed=0):
     """Row 0 full; row 1 padded on the left (causal) or on the right (bidirectional)."""
@@ -87,3 +91,109 @@ def test_2d_encodings_match_quadratic_formula(encoding, attention):
     mask = torch.ones(2, 13, dtype=torch.bool)
     mask[1, -4:] = False
     check(layer, x, mask, positions)
+
+
+# ---------------------------------------------------------------- default settings, large activations
+@pytest.mark.parametrize(
+    "dtype,tolerance",
+    # bf16 keeps 8 bits of mantissa: q, k and v are already off by ~1% each after the projections
+    [(torch.float32, 1e-4), (torch.bfloat16, 0.1)],
+    ids=["fp32", "bf16"],
+)
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+@pytest.mark.parametrize(
+    "encoding,feature_map",
+    [
+        ("none", "exp"),
+        ("none", "performer"),
+        ("permute", "exp"),
+        ("fastrpb", "performer"),
+        ("spe_sine", "exp"),
+        ("rope", "elu"),
+        ("lrpe_orthogonal", "elu"),
+        ("lrpe_unitary", "elu"),
+        ("lrpe_permutation", "relu"),
+    ],
+)
+def test_one_token_thirty_times_larger_matches_the_formula_at_default_eps(
+    encoding, feature_map, causal, dtype, tolerance
+):
+    """The stabiliser of exponential maps must not change outputs: eps keeps its meaning at any activation scale.
+
+    Exponential maps are checked with the encodings whose features stay non-negative. With signed features
+    (rotations after P) and exp features at this scale, phi(q) . phi(k) is a cancellation of O(1) products down
+    to ~1e-8: an ill-conditioned sum in float32 whatever the stabiliser (see the README's numerics note)."""
+    layer = make_layer(encoding, feature_map=feature_map, causal=causal, chunk_size=4)
+    x, mask = padded_inputs(causal)
+    x[:, 5] *= 30.0
+    draw = layer.shared_codes.draw() if layer.shared_codes is not None else None
+    want = reference_attention(layer, x, mask, shared_draw=draw)  # float64, unstabilised
+    with torch.no_grad():
+        got = layer.to(dtype)(x.to(dtype), attention_mask=mask, shared_draw=draw).double()
+    scale = want.abs().amax(-1, keepdim=True)
+    assert float(((got - want).abs() / scale).max()) < tolerance
+
+
+# ---------------------------------------------------------------- softmax temperature
+IDENTITY_SETTINGS = {  # settings under which each encoding's transform is the identity
+    "none": {},
+    "rope": {},
+    "lrpe_unitary": dict(lrpe_p_matrix="identity"),
+    "lrpe_orthogonal": dict(lrpe_p_matrix="identity"),
+    "lrpe_permutation": dict(lrpe_p_matrix="identity"),
+    "permute": {},
+    "fastrpb": {},  # its bias weights start at zero
+}
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+@pytest.mark.parametrize("encoding", IDENTITY_SETTINGS)
+def test_softmax_temperature_where_the_encoding_is_the_identity(encoding, causal):
+    """At position 0 for every token (and zero FastRPB weights) softmax attention is plain softmax(q k^T / sqrt(D)) v."""
+    torch.manual_seed(0)
+    layer = LinearAttention(
+        16,
+        2,
+        positional_encoding=encoding,
+        attention="softmax",
+        causal=causal,
+        max_positions=16,
+        **IDENTITY_SETTINGS[encoding],
+    ).double()
+    x = torch.randn(2, 7, 16, dtype=torch.float64)
+    q, k, v = (proj(x).view(2, 7, 2, 8).transpose(1, 2) for proj in (layer.q_proj, layer.k_proj, layer.v_proj))
+    logits = q @ k.transpose(-1, -2) / math.sqrt(8)
+    if causal:
+        logits = logits.masked_fill(torch.ones(7, 7, dtype=torch.bool).triu(1), float("-inf"))
+    out = (logits.softmax(-1) @ v).transpose(1, 2).reshape(2, 7, 16)
+    positions = torch.zeros(2, 7, dtype=torch.long)
+    torch.testing.assert_close(layer(x, position_ids=positions), layer.o_proj(out))
+
+
+# ---------------------------------------------------------------- FastRPB's FFT path inside the layer
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+def test_fastrpb_fft_path_with_position_gaps_and_left_padding(causal):
+    """600 tokens take the FFT path; the layer equals the explicit Toeplitz matrix W[s, t] = w[p_s - p_t] plus
+    linear attention, with gaps between positions and a left-padded row."""
+    torch.manual_seed(0)
+    N, H, D = 600, 2, 8
+    layer = LinearAttention(16, H, positional_encoding="fastrpb", causal=causal, max_positions=2048).double()
+    with torch.no_grad():
+        layer.positional_encoding.weights.normal_(0.0, 0.05)
+    x = torch.randn(2, N, 16, dtype=torch.float64)
+    mask = torch.ones(2, N, dtype=torch.bool)
+    mask[1, :50] = False
+    steps = torch.randint(1, 4, (2, N))
+    positions = (steps * mask).cumsum(-1)
+    assert N * N > 4096 * 64  # the FFT path, not the dense one
+    q, k, v = (proj(x).view(2, N, H, D).transpose(1, 2) for proj in (layer.q_proj, layer.k_proj, layer.v_proj))
+    v = v * mask[:, None, :, None]
+    fq, fk = F.elu(q) + 1, (F.elu(k) + 1) * mask[:, None, :, None]
+    allowed = mask[:, None, None, :] & (torch.ones(N, N, dtype=torch.bool).tril() if causal else True)
+    scores = (fq @ fk.transpose(-1, -2)) * allowed
+    attention = (scores @ v) / (scores.sum(-1, keepdim=True) + layer.options.eps)
+    lags = positions[:, :, None] - positions[:, None, :]  # (B, N, N)
+    w = layer.positional_encoding.weights[0].detach()  # (H, 2 * 2048 - 1)
+    toeplitz = w[:, 2047 + lags].transpose(0, 1) * allowed  # (B, H, N, N)
+    out = ((attention + toeplitz @ v) * mask[:, None, :, None]).transpose(1, 2).reshape(2, N, 16)
+    torch.testing.assert_close(layer(x, attention_mask=mask, position_ids=positions), layer.o_proj(out))

@@ -134,6 +134,48 @@ def test_performer_features_approximate_the_softmax_kernel():
     assert float(((approx - exact).abs() / exact).mean()) < 0.05
 
 
+@pytest.fixture(scope="module")
+def performer_draws():
+    """A D = 4 map and 3,000 of its projections (draws, m, D)."""
+    torch.manual_seed(0)
+    fm = PerformerFeatureMap(4)
+    return fm, torch.stack([fm.draw_projection() for _ in range(3000)]).double()
+
+
+@pytest.mark.parametrize(
+    "q,k",
+    [
+        ([1.5, 0.0, 0.0, 0.0], [1.5, 0.0, 0.0, 0.0]),  # the case that exposed QR's sign bias (2.08 against 3.08)
+        ([0.0, 0.0, 0.0, -1.0], [0.0, 0.0, 0.0, -1.0]),
+        ([0.5, -0.5, 0.5, -0.5], [-0.5, 0.5, 0.0, 1.0]),
+        ([1.0, 1.0, 0.0, 0.0], [0.0, 0.0, 1.0, 1.0]),
+        ([0.3, 0.1, -0.2, 0.4], [0.2, -0.3, 0.5, 0.1]),
+    ],
+)
+def test_performer_features_are_unbiased(q, k, performer_draws):
+    """FAVOR+ (Choromanski et al., Lemma 1): E[phi(q) . phi(k)] = exp(q . k / sqrt(D)) over the random features.
+    The mean of 3,000 independent draws lies within 4 standard errors of the exact kernel."""
+    q, k = torch.tensor(q, dtype=torch.float64), torch.tensor(k, dtype=torch.float64)
+    fm, W = performer_draws
+
+    def phi(x):  # the paper's positive random features, with x' = x / D^(1/4)
+        x = x / 4**0.25
+        return torch.exp(W @ x - x @ x / 2) / math.sqrt(W.shape[1])
+
+    samples = (phi(q) * phi(k)).sum(-1)
+    fm.projection = W[-1].clone()  # the module's features are the formula's, for any draw
+    torch.testing.assert_close(fm.double()(q), phi(q)[-1])
+    exact = math.exp(float(q @ k) / 2.0)
+    standard_error = float(samples.std()) / math.sqrt(len(samples))
+    assert abs(float(samples.mean()) - exact) < 4 * standard_error, (float(samples.mean()), exact, standard_error)
+
+
+def test_performer_rows_are_haar_distributed(performer_draws):
+    """Each row of an orthogonal block is uniform on the sphere: every entry is positive half of the time."""
+    positive = (performer_draws[1] > 0).double().mean(0)
+    assert bool(((positive - 0.5).abs() < 0.05).all()), positive
+
+
 def test_performer_projection_is_fixed_until_redrawn():
     fm = PerformerFeatureMap(8, redraw=True)
     x = torch.randn(3, 8)

@@ -52,6 +52,22 @@ def test_relative_encodings_ignore_a_constant_shift_of_positions(encoding, atten
     torch.testing.assert_close(shifted, base, atol=1e-9, rtol=1e-7)
 
 
+@pytest.mark.parametrize("offset", [10**6, 2**31], ids=["1e6", "2^31"])
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+@pytest.mark.parametrize("attention", ["linear", "softmax"])
+@pytest.mark.parametrize("encoding", RELATIVE)
+def test_relative_encodings_ignore_large_shifts_in_float32(encoding, attention, causal, offset):
+    """Angles and permutation powers are reduced exactly, so far-away positions cost no float32 precision."""
+    feature_map = SECOND_FEATURE_MAP[encoding] if attention == "linear" else None
+    layer = make_layer(encoding, causal=causal, attention=attention, feature_map=feature_map).float()
+    x = inputs().float()
+    positions = torch.arange(13)[None].expand(2, -1)
+    with torch.no_grad():
+        base = layer(x, position_ids=positions)
+        shifted = layer(x, position_ids=positions + offset)
+    torch.testing.assert_close(shifted, base, atol=2e-5, rtol=1e-4)
+
+
 def test_absolute_positions_do_matter():
     """The shift test can fail: a layer whose sine SPE codes depend on absolute positions does see the shift."""
     layer = make_layer("spe_sine", causal=False)

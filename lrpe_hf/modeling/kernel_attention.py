@@ -90,8 +90,12 @@ class KernelAttention(nn.Module):
             return out[..., :-1] / nonzero(out[..., -1:] + eps)
         if self.normalization == "unrotated_denominator":
             return out / nonzero(self.unrotated_denominator(features.query, features.key, gates, state) + eps)
-        mean_square = out.pow(2).mean(-1, keepdim=True) + self.eps * torch.exp(-2 * features.log_scale).to(out.dtype)
-        return out / nonzero(mean_square.sqrt()) * self.output_norm.weight.to(out.dtype)
+        # RMSNorm is scale-free: divide by the row's largest entry first, so that squaring cannot underflow.
+        peak = out.abs().amax(-1, keepdim=True)
+        unit = out / nonzero(peak)
+        log_peak = peak.to(features.log_scale.dtype).clamp_min(torch.finfo(peak.dtype).tiny).log()
+        mean_square = unit.pow(2).mean(-1, keepdim=True) + self.eps * torch.exp(-2 * (features.log_scale + log_peak))
+        return unit / nonzero(mean_square.to(out.dtype).sqrt()) * self.output_norm.weight.to(out.dtype)
 
     @staticmethod
     def decay_gates(log_decay, positions, last_position, dtype):
