@@ -4,9 +4,9 @@ import math
 
 import pytest
 import torch
-from torch.nn import functional as F
 from conftest import SECOND_FEATURE_MAP, make_layer
 from reference import reference_attention
+from torch.nn import functional as F
 
 from lrpe_hf import POSITIONAL_ENCODINGS, LinearAttention
 
@@ -149,7 +149,7 @@ IDENTITY_SETTINGS = {  # settings under which each encoding's transform is the i
 @pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
 @pytest.mark.parametrize("encoding", IDENTITY_SETTINGS)
 def test_softmax_temperature_where_the_encoding_is_the_identity(encoding, causal):
-    """At position 0 for every token (and zero FastRPB weights) softmax attention is plain softmax(q k^T / sqrt(D)) v."""
+    """At position 0 for every token (and zero FastRPB weights), softmax attention is softmax(q k^T / sqrt(D)) v."""
     torch.manual_seed(0)
     layer = LinearAttention(
         16,
