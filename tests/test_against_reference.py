@@ -135,21 +135,43 @@ def test_one_token_thirty_times_larger_matches_the_formula_at_default_eps(
 
 
 # ---------------------------------------------------------------- softmax temperature
-IDENTITY_SETTINGS = {  # settings under which each encoding's transform is the identity
+IDENTITY_SETTINGS = {  # options under which each encoding can be made the identity (see make_identity)
     "none": {},
     "rope": {},
     "lrpe_unitary": dict(lrpe_p_matrix="identity"),
     "lrpe_orthogonal": dict(lrpe_p_matrix="identity"),
     "lrpe_permutation": dict(lrpe_p_matrix="identity"),
-    "permute": {},
+    "permute": dict(permute_decay=1.0),
     "fastrpb": {},  # its bias weights start at zero
 }
+
+
+def make_identity(layer, tokens):
+    """Zero the angles of rotations; return positions at which every permutation power is the identity
+    (multiples of the cycle lengths' least common multiple)."""
+    pe = layer.positional_encoding
+    with torch.no_grad():
+        for name, tensor in pe.named_parameters():
+            if name.endswith("angles"):
+                tensor.zero_()
+        for name, tensor in pe.named_buffers():
+            if name.endswith("frequencies"):
+                tensor.zero_()
+        for name, tensor in pe.named_parameters():
+            if name.endswith("frequencies"):
+                tensor.zero_()
+    period = 1
+    for name, lengths in pe.named_buffers():
+        if name.endswith("length"):
+            for length in lengths.unique().tolist():
+                period = math.lcm(period, int(length))
+    return (torch.arange(tokens) * period)[None].expand(2, -1)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
 @pytest.mark.parametrize("encoding", IDENTITY_SETTINGS)
 def test_softmax_temperature_where_the_encoding_is_the_identity(encoding, causal):
-    """At position 0 for every token (and zero FastRPB weights), softmax attention is softmax(q k^T / sqrt(D)) v."""
+    """Where an encoding is the identity, softmax attention is softmax(q k^T / sqrt(D)) v (no doubled width)."""
     torch.manual_seed(0)
     layer = LinearAttention(
         16,
@@ -157,16 +179,16 @@ def test_softmax_temperature_where_the_encoding_is_the_identity(encoding, causal
         positional_encoding=encoding,
         attention="softmax",
         causal=causal,
-        max_positions=16,
+        max_positions=1024,
         **IDENTITY_SETTINGS[encoding],
     ).double()
+    positions = make_identity(layer, 7)
     x = torch.randn(2, 7, 16, dtype=torch.float64)
     q, k, v = (proj(x).view(2, 7, 2, 8).transpose(1, 2) for proj in (layer.q_proj, layer.k_proj, layer.v_proj))
     logits = q @ k.transpose(-1, -2) / math.sqrt(8)
     if causal:
         logits = logits.masked_fill(torch.ones(7, 7, dtype=torch.bool).triu(1), float("-inf"))
     out = (logits.softmax(-1) @ v).transpose(1, 2).reshape(2, 7, 16)
-    positions = torch.zeros(2, 7, dtype=torch.long)
     torch.testing.assert_close(layer(x, position_ids=positions), layer.o_proj(out))
 
 

@@ -337,3 +337,25 @@ def test_token_type_ids_are_checked_not_ignored():
     torch.testing.assert_close(model(ids, token_type_ids=torch.zeros_like(ids)).logits, model(ids).logits)
     with pytest.raises(ValueError, match="no token type embeddings"):
         model(ids, token_type_ids=torch.ones_like(ids))
+
+
+@pytest.mark.parametrize("encoding", ["lrpe_orthogonal", "lrpe_permutation", "permute", "spe_conv", "fastrpb"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_meta_device_initialisation_recreates_every_buffer(family, encoding):
+    """As from_pretrained, init_empty_weights and FSDP do: build on the meta device, allocate, init_weights."""
+    make_config, model_class, _, make_inputs = FAMILIES[family]
+    config = make_config(positional_encoding=encoding, feature_map="performer")
+    built = model_class(config).eval()
+    with torch.device("meta"):
+        empty = model_class(config)
+    empty.to_empty(device="cpu")
+    empty.init_weights()
+    empty.eval()
+    buffers = dict(built.named_buffers())
+    assert buffers, "the encodings and the performer map keep tables in buffers"
+    for name, buffer in empty.named_buffers():
+        torch.testing.assert_close(buffer, buffers[name], msg=name)
+    for name, parameter in empty.named_parameters():
+        assert torch.isfinite(parameter).all(), name
+    with torch.no_grad():
+        assert torch.isfinite(empty(**make_inputs()).logits).all()

@@ -2,20 +2,29 @@
 
 Shapes: B batch, H heads, N tokens, m feature dim, dv value dim.
 
-- ``bidirectional_linear_attention``: out_s = q_s^T (sum_t k_t v_t^T), two matmuls, O(N m dv).
+- ``bidirectional_linear_attention``: out_s = q_s^T (sum_t k_t v_t^T), two matmuls, O(N m dv); with
+  ``documents``, the sum runs over the tokens of s's document only.
 - ``causal_linear_attention``: out_s = sum_{t<=s} exp(G_s - G_t) (q_s . k_t) v_t, plus the contribution of an
   initial state, where G is the running sum of per-token log gates g <= 0 (a decay such as PermuteFormer's
-  r^(s-t), or the rescaling of a running maximum). Chunkwise: a masked C x C product inside each chunk of C
-  tokens, and a running (m x dv) state across chunks. Memory O(N C + (N / C) m dv); gates are only ever
-  exponentiated as differences inside a chunk, so nothing overflows however long the sequence.
+  r^(s-t), or the rescaling of a running maximum). A token with ``resets`` set starts a new document: no earlier
+  token (nor the initial state) reaches it or anything after it. Chunkwise: a masked C x C product inside each
+  chunk of C tokens, and a running (m x dv) state across chunks. Memory O(N C + (N / C) m dv); gates are only
+  ever exponentiated as differences inside a chunk, so nothing overflows however long the sequence.
 """
 
 import torch
 from torch.nn import functional as F
 
 
-def bidirectional_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    return q @ (k.transpose(-1, -2) @ v)
+def bidirectional_linear_attention(q, k, v, documents=None):
+    """q, k (B, H, N, m); v (B, H, N, dv); documents (B, N) long document index per token, or None."""
+    if documents is None:
+        return q @ (k.transpose(-1, -2) @ v)
+    first = documents[:, :1]
+    one_hot = F.one_hot(documents - first, int((documents - first).max()) + 1).to(k.dtype)  # (B, N, D)
+    per_document = torch.einsum("bnd,bhnm,bhne->bhdme", one_hot, k, v)  # (B, H, D, m, dv)
+    out = q[:, :, None] @ per_document  # (B, H, D, N, dv)
+    return torch.einsum("bhdne,bnd->bhne", out, one_hot)
 
 
 def default_chunk_size(num_tokens: int) -> int:
@@ -23,21 +32,25 @@ def default_chunk_size(num_tokens: int) -> int:
     return 64 if num_tokens <= 8192 else 128
 
 
-def causal_linear_attention(q, k, v, log_gates=None, initial_state=None, chunk_size: int | None = None):
+def causal_linear_attention(q, k, v, log_gates=None, initial_state=None, chunk_size: int | None = None, resets=None):
     """q, k (B, H, N, m); v (B, H, N, dv); log_gates (B, H, N) or None; initial_state (B, H, m, dv) or None;
-    chunk_size None picks ``default_chunk_size(N)``.
+    chunk_size None picks ``default_chunk_size(N)``; resets (B, N) bool or None.
 
-    Returns out (B, H, N, dv) and the final state sum_t exp(G_N - G_t) k_t v_t^T (B, H, m, dv), the
-    state of a recurrent formulation, so a later call can continue where this one stopped.
+    Returns out (B, H, N, dv) and the final state sum_t exp(G_N - G_t) k_t v_t^T (over the last document)
+    (B, H, m, dv), the state of a recurrent formulation, so a later call can continue where this one stopped.
     """
     B, H, N, m = q.shape
     dv = v.shape[-1]
     C = max(1, min(chunk_size or default_chunk_size(N), N))
+    if resets is not None and log_gates is None:
+        log_gates = q.new_zeros(B, H, N, dtype=torch.promote_types(q.dtype, torch.float32))
     pad = (-N) % C
     if pad:
         q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
         if log_gates is not None:
             log_gates = F.pad(log_gates, (0, pad))
+        if resets is not None:
+            resets = F.pad(resets, (0, pad))
     num_chunks = (N + pad) // C
     q = q.view(B, H, num_chunks, C, m)
     k = k.view(B, H, num_chunks, C, m)
@@ -54,21 +67,36 @@ def causal_linear_attention(q, k, v, log_gates=None, initial_state=None, chunk_s
             previous = previous + initial_state[:, :, None].to(previous.dtype)
             final = final + initial_state.to(final.dtype)
         out = intra + q @ previous
-    else:
-        G = (
-            log_gates.to(torch.promote_types(q.dtype, torch.float32)).view(B, H, num_chunks, C).cumsum(-1)
-        )  # inclusive, relative to the chunk start
-        decay = (G[..., :, None] - G[..., None, :]).masked_fill(~causal_mask, float("-inf")).exp()
-        intra = (scores * decay.to(scores.dtype)) @ v
-        to_chunk_end = (G[..., -1:] - G).exp().to(k.dtype)[..., None]
-        chunk_kv = (k * to_chunk_end).transpose(-1, -2) @ v  # (B, H, nc, m, dv)
-        chunk_decay = G[..., -1].exp().to(v.dtype)[..., None, None]  # (B, H, nc, 1, 1)
-        state = initial_state.to(v.dtype) if initial_state is not None else v.new_zeros(B, H, m, dv)
-        previous = []
-        for decay_c, kv_c in zip(chunk_decay.unbind(2), chunk_kv.unbind(2)):  # unbind: one stacked backward
-            previous.append(state)
-            state = decay_c * state + kv_c
-        previous = torch.stack(previous, dim=2)
-        out = intra + (q * G.exp().to(q.dtype)[..., None]) @ previous
-        final = state
-    return out.reshape(B, H, num_chunks * C, dv)[:, :, :N], final
+        return out.reshape(B, H, num_chunks * C, dv)[:, :, :N], final
+
+    # Gated: G relative to each chunk's start. Documents: a segment index inside each chunk (0 until its first
+    # reset); a query sees keys of its own segment, and the state from before the chunk only in segment 0.
+    G = log_gates.to(torch.promote_types(q.dtype, torch.float32))
+    visible = causal_mask
+    from_before = to_after = None
+    if resets is not None:
+        segment = resets.view(B, 1, num_chunks, C).long().cumsum(-1)  # (B, 1, nc, C)
+        G = G.masked_fill(resets[:, None], 0.0)  # a reset token's gate never applies: the past is dropped
+        visible = causal_mask & (segment[..., :, None] == segment[..., None, :])
+        from_before = segment == 0  # (B, 1, nc, C)
+        to_after = segment == segment[..., -1:]
+    G = G.view(B, H, num_chunks, C).cumsum(-1)
+    decay = (G[..., :, None] - G[..., None, :]).masked_fill(~visible, float("-inf")).exp()
+    intra = (scores * decay.to(scores.dtype)) @ v
+    to_chunk_end = G[..., -1:] - G
+    query_decay = G
+    chunk_decay = G[..., -1]
+    if resets is not None:
+        to_chunk_end = to_chunk_end.masked_fill(~to_after, float("-inf"))
+        query_decay = query_decay.masked_fill(~from_before, float("-inf"))
+        chunk_decay = chunk_decay.masked_fill(~from_before[..., -1], float("-inf"))
+    chunk_kv = (k * to_chunk_end.exp().to(k.dtype)[..., None]).transpose(-1, -2) @ v  # (B, H, nc, m, dv)
+    chunk_decay = chunk_decay.exp().to(v.dtype)[..., None, None]  # (B, H, nc, 1, 1)
+    state = initial_state.to(v.dtype) if initial_state is not None else v.new_zeros(B, H, m, dv)
+    previous = []
+    for decay_c, kv_c in zip(chunk_decay.unbind(2), chunk_kv.unbind(2)):  # unbind: one stacked backward
+        previous.append(state)
+        state = decay_c * state + kv_c
+    previous = torch.stack(previous, dim=2)
+    out = intra + (q * query_decay.exp().to(q.dtype)[..., None]) @ previous
+    return out.reshape(B, H, num_chunks * C, dv)[:, :, :N], state

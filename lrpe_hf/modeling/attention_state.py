@@ -32,34 +32,43 @@ class TensorState:
 
 @dataclass
 class ValueHistory(TensorState):
-    """The values (B, H, T, d) and positions (B, T, A) seen so far. Without autograd (generation) the storage
-    doubles when full, so each step copies only its own tokens."""
+    """The values (B, H, T, d), positions (B, T, A) and documents (B, T) seen so far. Without autograd
+    (generation) the storage doubles when full, so each step copies only its own tokens."""
 
     values: torch.Tensor | None = None
     positions: torch.Tensor | None = None
+    documents: torch.Tensor | None = None
     length: int = 0
 
-    def append(self, values: torch.Tensor, positions: torch.Tensor):
-        """Append values (B, H, n, d) and positions (B, n, A); return everything so far."""
+    def append(self, values: torch.Tensor, positions: torch.Tensor, documents: torch.Tensor):
+        """Append values (B, H, n, d), positions (B, n, A) and documents (B, n); return everything so far."""
+        new = {"values": values, "positions": positions, "documents": documents}
+        dims = {"values": 2, "positions": 1, "documents": 1}
+        had_history = self.values is not None
         if torch.is_grad_enabled():  # keep autograd's saved tensors intact: no writes into shared storage
-            if self.values is not None:
-                values = torch.cat([self.values[:, :, : self.length], values], dim=2)
-                positions = torch.cat([self.positions[:, : self.length], positions], dim=1)
-            self.values, self.positions, self.length = values, positions, values.shape[2]
-            return values, positions
+            for name, tensor in new.items():
+                if had_history:
+                    kept = getattr(self, name).narrow(dims[name], 0, self.length)
+                    tensor = torch.cat([kept, tensor], dim=dims[name])
+                setattr(self, name, tensor)
+            self.length = self.values.shape[2]
+            return self.values, self.positions, self.documents
         end = self.length + values.shape[2]
         if self.values is None or end > self.values.shape[2]:
             capacity = max(64, 2 * end)
-            grown = values.new_zeros(values.shape[:2] + (capacity,) + values.shape[3:])
-            grown_positions = positions.new_zeros(positions.shape[0], capacity, positions.shape[2])
-            if self.values is not None:
-                grown[:, :, : self.length] = self.values[:, :, : self.length]
-                grown_positions[:, : self.length] = self.positions[:, : self.length]
-            self.values, self.positions = grown, grown_positions
-        self.values[:, :, self.length : end] = values
-        self.positions[:, self.length : end] = positions
+            for name, tensor in new.items():
+                shape = list(tensor.shape)
+                shape[dims[name]] = capacity
+                grown = tensor.new_zeros(shape)
+                if had_history:
+                    grown.narrow(dims[name], 0, self.length).copy_(
+                        getattr(self, name).narrow(dims[name], 0, self.length)
+                    )
+                setattr(self, name, grown)
+        for name, tensor in new.items():
+            getattr(self, name).narrow(dims[name], self.length, end - self.length).copy_(tensor)
         self.length = end
-        return self.values[:, :, :end], self.positions[:, :end]
+        return tuple(getattr(self, name).narrow(dims[name], 0, end) for name in new)
 
 
 @dataclass
@@ -67,22 +76,29 @@ class LinearAttentionState(TensorState):
     """One causal layer's state; pass the same object to successive calls of the layer.
 
     ``num_tokens`` (B,): real tokens seen per row (the next default position); ``last_position`` (B,): the last
-    real token's position; ``path``: the attention path's own state; ``value_history``: past values for an
-    encoding with a value bias.
+    real token's position (meaningful where num_tokens > 0); ``document`` (B,): the current document of a
+    packed row; ``path``: the attention path's own state; ``value_history``: past values for an encoding with a
+    value bias.
     """
 
     num_tokens: torch.Tensor | None = None
     last_position: torch.Tensor | None = None
+    document: torch.Tensor | None = None
     path: TensorState | None = None
     value_history: ValueHistory | None = None
 
-    def count(self, positions: torch.Tensor, mask: torch.Tensor | None):
-        """Advance the counters past this call's tokens: positions (B, N, A), mask (B, N) or None."""
-        if mask is None:
-            real = torch.full(positions.shape[:1], positions.shape[1], device=positions.device)
-            last = positions[:, -1, 0]
-        else:
-            real = mask.long().sum(-1)
-            last = positions[..., 0].masked_fill(~mask, -1).amax(-1)
+    def count(self, positions: torch.Tensor, mask: torch.Tensor | None, documents: torch.Tensor):
+        """Advance the counters past this call's tokens: positions (B, N, A), mask (B, N) or None, documents
+        (B, N)."""
+        B, N = positions.shape[:2]
+        index = torch.arange(N, device=positions.device).expand(B, N)
+        if mask is not None:
+            index = index.masked_fill(~mask, -1)
+        last_index = index.amax(-1)  # the last real token of each row, -1 if none
+        last = positions[..., 0].gather(-1, last_index.clamp_min(0)[:, None])[:, 0]
+        if self.last_position is not None:
+            last = torch.where(last_index >= 0, last, self.last_position)
+        real = (index >= 0).long().sum(-1)
         self.num_tokens = real if self.num_tokens is None else self.num_tokens + real
-        self.last_position = last if self.last_position is None else torch.maximum(self.last_position, last)
+        self.last_position = last
+        self.document = documents[:, -1]

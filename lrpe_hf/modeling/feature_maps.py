@@ -16,8 +16,9 @@ import math
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 from torch.nn import functional as F
+
+from .reinitialisable import Reinitialisable, seeded_generator
 
 
 @dataclass
@@ -34,8 +35,9 @@ class Features:
     key_max: torch.Tensor | None = None
 
 
-class FeatureMap(nn.Module):
-    """Base class: the identity map. Subclasses override ``forward`` and, if the width changes, ``output_dim``."""
+class FeatureMap(Reinitialisable):
+    """Base class: the identity map. Subclasses override ``forward`` and, if the width changes, ``output_dim``;
+    one with parameters or buffers gives their values in ``initial_values()``."""
 
     def __init__(self, input_dim: int):
         super().__init__()
@@ -51,8 +53,9 @@ class FeatureMap(nn.Module):
     def redraw(self):
         """Called once per training step by the model (or a standalone layer); random maps redraw here."""
 
-    def features(self, q, k, mask=None, causal=False, key_max=None) -> Features:
-        """phi(q), phi(k) with padded keys (``mask`` (B, N) bool, False = padding) zeroed."""
+    def features(self, q, k, mask=None, causal=False, key_max=None, documents=None) -> Features:
+        """phi(q), phi(k) with padded keys (``mask`` (B, N) bool, False = padding) zeroed. ``documents`` (B, N)
+        numbers the documents of a packed row (0 continues the previous call's), or is None."""
         fk = self(k)
         if mask is not None:
             fk = fk.masked_fill(~mask[:, None, :, None], 0.0)
@@ -109,7 +112,7 @@ class ExponentialFeatureMap(FeatureMap):
     def forward(self, x):
         return self.log_features(x).exp()  # unstabilised: for references and small inputs
 
-    def features(self, q, k, mask=None, causal=False, key_max=None) -> Features:
+    def features(self, q, k, mask=None, causal=False, key_max=None, documents=None) -> Features:
         lq, lk = self.log_features(q), self.log_features(k)
         query_max = lq.amax(-1, keepdim=True).detach()
         fq = (lq - query_max).exp()
@@ -120,18 +123,31 @@ class ExponentialFeatureMap(FeatureMap):
         gates, carried = None, None
         if causal:
             # Keys are divided by exp(running maximum); each growth of the maximum rescales the past by a log
-            # gate <= 0. Only keys up to s set the scale of output s: no future token leaks in.
+            # gate <= 0. Only keys up to s set the scale of output s: no future token leaks in. A new document
+            # starts its own maximum (an offset of 1e6 per document, exact in float64, separates them).
             previous = key_max if key_max is not None else token_max[..., 0]
-            running = torch.cummax(torch.cat([previous[..., None], token_max], dim=-1), dim=-1).values
+            sequence = torch.cat([previous[..., None], token_max], dim=-1)
+            if documents is None:
+                running = torch.cummax(sequence, dim=-1).values
+            else:
+                offset = 1e6 * torch.cat([documents[:, :1] * 0, documents], dim=-1)[:, None].double()
+                running = (torch.cummax(sequence.double() + offset, dim=-1).values - offset).to(wide)
             finite = running.isfinite()
             first = running.masked_fill(~finite, float("inf")).amin(-1, keepdim=True)  # the first real key
             running = torch.where(finite, running, first.masked_fill(first.isinf(), 0.0))
             gates = running[..., :-1] - running[..., 1:]
             key_scale = running[..., 1:]
             carried = running[..., -1]
-        else:
+        elif documents is None:
             key_scale = token_max.amax(-1, keepdim=True)
             key_scale = key_scale.masked_fill(key_scale.isinf(), 0.0).expand_as(token_max)
+        else:  # the maximum over each document's keys
+            index = documents[:, None].expand_as(token_max)
+            per_document = token_max.new_full(token_max.shape, float("-inf")).scatter_reduce(
+                -1, index, token_max, "amax"
+            )
+            key_scale = per_document.gather(-1, index)
+            key_scale = key_scale.masked_fill(key_scale.isinf(), 0.0)
         fk = (lk - key_scale[..., None].to(lk.dtype)).exp()
         if mask is not None:
             fk = fk.masked_fill(~mask[:, None, :, None], 0.0)
@@ -157,28 +173,36 @@ class PerformerFeatureMap(ExponentialFeatureMap):
     features; by the layer itself when standalone).
     """
 
-    def __init__(self, input_dim: int, num_features: int | None = None, redraw: bool = False):
+    def __init__(self, input_dim: int, num_features: int | None = None, redraw: bool = False, seed: int = 0):
         super().__init__(input_dim)
         if num_features is not None and num_features < 1:
             raise ValueError(f"performer_features must be a positive integer, got {num_features}")
         self.num_features = num_features or input_dim
-        self.redraw_in_training = redraw
-        self.register_buffer("projection", self.draw_projection(), persistent=True)
+        self.redraw_in_training, self.seed = redraw, seed
+        self.register_initial_values()
+
+    def initial_values(self):
+        """The first projection, drawn from ``seed``; redraws in training use torch's global generator."""
+        return {"projection": self.draw_projection(generator=seeded_generator(self.seed, self.input_dim))}
 
     @property
     def output_dim(self):
         return self.num_features
 
-    def draw_projection(self, device=None) -> torch.Tensor:
+    def draw_projection(self, device=None, generator=None) -> torch.Tensor:
         """(m, D) orthogonal random features."""
+        if generator is not None:
+            device = "cpu"
         blocks, remaining = [], self.num_features
         while remaining > 0:
-            gaussian = torch.randn(self.input_dim, self.input_dim, device=device)
+            gaussian = torch.randn(self.input_dim, self.input_dim, device=device, generator=generator)
             orthogonal, upper = torch.linalg.qr(gaussian)
             orthogonal = orthogonal * torch.sign(torch.diagonal(upper))[None, :]  # Haar-distributed columns
             blocks.append(orthogonal.T[: min(remaining, self.input_dim)])
             remaining -= self.input_dim
-        norms = torch.randn(self.num_features, self.input_dim, device=device).norm(dim=-1, keepdim=True)
+        norms = torch.randn(self.num_features, self.input_dim, device=device, generator=generator).norm(
+            dim=-1, keepdim=True
+        )
         return torch.cat(blocks) * norms
 
     @torch.no_grad()

@@ -55,10 +55,13 @@ class KernelAttention(nn.Module):
         self.feature_dim = self.feature_map.output_dim
         self.output_norm = nn.RMSNorm(head_dim, eps=options.eps) if self.normalization == "output_norm" else None
 
-    def forward(self, q, k, v, mask, positions, encoding, state=None, last_position=None):
+    def forward(self, q, k, v, mask, positions, encoding, state=None, last_position=None, starts=None, documents=None):
         """mask (B, N) bool or None; positions (B, N, A); state: this path's state (causal decoding) or None;
-        last_position (B,): the previous call's last position, or None."""
-        features = self.feature_map.features(q, k, mask, self.causal, state.key_max if state else None)
+        last_position (B,): the previous call's last position, or None; starts (B, N) bool: the tokens that start
+        a new document in a packed row, or None for one document (``documents``: their running count, unused)."""
+        key_max = state.key_max if state else None
+        local_documents = None if starts is None else starts.long().cumsum(-1)
+        features = self.feature_map.features(q, k, mask, self.causal, key_max, local_documents)
         gates = features.log_gates
         if encoding.log_decay is not None and not self.causal:
             raise ValueError(f"{type(encoding).__name__} decays with distance: it is for causal attention only")
@@ -72,16 +75,17 @@ class KernelAttention(nn.Module):
                 ones = ones * mask[:, None, :, None].to(v.dtype)
             v = torch.cat([v, ones], dim=-1)
         if self.causal:
-            out, kv = causal_linear_attention(tq, tk, v, gates, state.kv if state else None, self.chunk_size)
+            previous = state.kv if state else None
+            out, kv = causal_linear_attention(tq, tk, v, gates, previous, self.chunk_size, starts)
         else:
-            out, kv = bidirectional_linear_attention(tq, tk, v), None
+            out, kv = bidirectional_linear_attention(tq, tk, v, local_documents), None
         if state is not None:
             state.kv, state.key_max = kv, features.key_max
         if features.log_scale is None:
             if self.normalization == "denominator":
                 return out[..., :-1] / (out[..., -1:] + self.eps)
             if self.normalization == "unrotated_denominator":
-                return out / (self.unrotated_denominator(features.query, features.key, gates, state) + self.eps)
+                return out / (self.unrotated_denominator(features.query, features.key, gates, state, starts) + self.eps)
             return self.output_norm(out)
         # Stabilised features: eps on the unstabilised scale. A row whose every term underflowed (logits spread
         # over ~80 or more in float32) has no precision left: its output is 0 instead of noise or NaN.
@@ -89,7 +93,7 @@ class KernelAttention(nn.Module):
         if self.normalization == "denominator":
             return out[..., :-1] / nonzero(out[..., -1:] + eps)
         if self.normalization == "unrotated_denominator":
-            return out / nonzero(self.unrotated_denominator(features.query, features.key, gates, state) + eps)
+            return out / nonzero(self.unrotated_denominator(features.query, features.key, gates, state, starts) + eps)
         # RMSNorm is scale-free: divide by the row's largest entry first, so that squaring cannot underflow.
         peak = out.abs().amax(-1, keepdim=True)
         unit = out / nonzero(peak)
@@ -108,20 +112,20 @@ class KernelAttention(nn.Module):
         dtype = torch.promote_types(dtype, torch.float32)
         return log_decay.to(dtype)[None, :, None] * steps[:, None, :].to(dtype)
 
-    def unrotated_denominator(self, fq, fk, gates, state):
+    def unrotated_denominator(self, fq, fk, gates, state, starts=None):
         """<phi(q_s), sum_t w(s, t) phi(k_t)> without the positional transform (RoFormer eq. 19): (B, H, N, 1)."""
+        ones = torch.ones_like(fk[..., :1])
         if not self.causal:
-            return fq @ fk.sum(-2)[..., None]
+            return bidirectional_linear_attention(fq, fk, ones, None if starts is None else starts.long().cumsum(-1))
         previous = state.key_sum if state is not None else None
-        if gates is None:
+        if gates is None and starts is None:
             sums = fk.cumsum(-2)
             if previous is not None:
                 sums = sums + previous.transpose(-1, -2)
             if state is not None:
                 state.key_sum = sums[..., -1:, :].transpose(-1, -2)
             return (fq * sums).sum(-1, keepdim=True)
-        ones = torch.ones_like(fk[..., :1])
-        denominator, key_sum = causal_linear_attention(fq, fk, ones, gates, previous, self.chunk_size)
+        denominator, key_sum = causal_linear_attention(fq, fk, ones, gates, previous, self.chunk_size, starts)
         if state is not None:
             state.key_sum = key_sum
         return denominator

@@ -9,12 +9,17 @@ Padded positions (``attention_mask == 0``) contribute nothing: their values are 
 zeroed after the feature map, and their outputs are zero. Without ``position_ids``, positions count the real
 tokens of each row (so left and right padding both leave the real tokens' positions unchanged).
 
+Packed rows (padding-free batches, as ``DataCollatorWithFlattening`` makes): in 1D, a real token whose position
+is not greater than the previous real token's starts a new document, and nothing crosses a document boundary,
+in every path (bidirectional sums, causal chunks, recurrent decoding, softmax, FastRPB's bias).
+
 Incremental decoding: pass a ``LinearAttentionState`` as ``state``; the layer reads and updates it in place,
 so calling it token by token gives the same outputs as one call over the whole sequence.
 """
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from .attention_options import AttentionOptions
 from .attention_state import ValueHistory
@@ -100,6 +105,28 @@ class LinearAttention(nn.Module):
         past = state.num_tokens if state is not None and state.num_tokens is not None else 0
         return default_position_ids(mask, batch_size, num_tokens, device, past)[..., None]
 
+    def documents(self, positions, mask, state):
+        """(starts, documents): the tokens that start a new document (B, N) bool, None if none does, and every
+        token's document (B, N), counted across calls, None for an unpacked row without a state."""
+        if self.options.position_dims != 1:
+            return None, None
+        B, N = positions.shape[:2]
+        p = positions[..., 0]
+        real = mask if mask is not None else torch.ones_like(p, dtype=torch.bool)
+        index = torch.arange(N, device=p.device).expand(B, N).masked_fill(~real, -1)
+        previous_index = F.pad(index.cummax(-1).values, (1, 0), value=-1)[:, :-1]  # the previous real token
+        previous = p.gather(-1, previous_index.clamp_min(0))
+        has_previous = previous_index >= 0
+        if state is not None and state.num_tokens is not None:
+            previous = torch.where(has_previous, previous, state.last_position[:, None])
+            has_previous = has_previous | (state.num_tokens[:, None] > 0)
+        starts = real & has_previous & (p <= previous)
+        any_start = bool(starts.any())
+        if state is None:
+            return (starts, starts.long().cumsum(-1)) if any_start else (None, None)
+        base = state.document if state.document is not None else torch.zeros_like(p[:, 0])
+        return (starts if any_start else None), base[:, None] + starts.long().cumsum(-1)
+
     def split_heads(self, x):
         B, N, _ = x.shape
         return x.view(B, N, self.num_heads, self.head_dim).transpose(1, 2)
@@ -119,19 +146,20 @@ class LinearAttention(nn.Module):
             v = v.masked_fill(~mask[:, None, :, None], 0.0)
         encoding = self.positional_encoding
         q, k = encoding.encode_query_key(q, k, positions, shared_draw)
+        starts, documents = self.documents(positions, mask, state)
         path_state, last_position = None, None
         if state is not None:
             state.path = state.path if state.path is not None else self.attention.State()
             path_state, last_position = state.path, state.last_position
-        out = self.attention(q, k, v, mask, positions, encoding, path_state, last_position)
+        out = self.attention(q, k, v, mask, positions, encoding, path_state, last_position, starts, documents)
         if encoding.has_value_bias:
-            key_values, key_positions = v, positions
+            keys = (v, positions, documents)
             if state is not None:
                 state.value_history = state.value_history or ValueHistory()
-                key_values, key_positions = state.value_history.append(v, positions)
-            out = out + encoding.value_bias(key_values, key_positions, positions, self.options.causal)
+                keys = state.value_history.append(*keys)
+            out = out + encoding.value_bias(keys[0], keys[1], positions, self.options.causal, keys[2], documents)
         if mask is not None:
             out = out.masked_fill(~mask[:, None, :, None], 0.0)
         if state is not None:
-            state.count(positions, mask)
+            state.count(positions, mask, documents)
         return self.o_proj(out.transpose(1, 2).reshape(B, N, self.hidden_size))

@@ -11,20 +11,26 @@ what it changes:
   (rope, lrpe_*, permute). (B,H,N,m) -> (B,H,N,m'); position tables built once for both.
 - ``log_decay``: a per-head log decay per unit of position, ``(H,)`` or ``None`` (PermuteFormer's causal r):
   the weight of key t at query s is multiplied by exp(log_decay (p_s - p_t)).
-- ``value_bias(values, key_positions, query_positions, causal)``: an additive ``W V`` term (FastRPB).
+- ``value_bias(values, key_positions, query_positions, causal, key_documents, query_documents)``: an additive
+  ``W V`` term (FastRPB); in a packed row a query sees the values of its own document only.
 
 ``positions`` are integer tensors of shape (B, N, A) with A = 1 (sequences) or 2 (row, col of image patches).
+Packed rows hold several documents: a token whose position is not past the previous token's starts a new
+one; the layer keeps every sum inside its document, so an encoding needs no extra care (only ``value_bias``
+receives the documents).
 Encodings register with ``lrpe_hf.register_positional_encoding`` (see ``registry.py``).
 """
 
 import math
 
 import torch
-from torch import nn
+
+from .reinitialisable import Reinitialisable
 
 
-class PositionalEncoding(nn.Module):
-    """Base class: the identity at every hook."""
+class PositionalEncoding(Reinitialisable):
+    """Base class: the identity at every hook. A subclass with parameters or buffers gives their values in
+    ``initial_values()`` (so that a model built on the meta device can re-create them)."""
 
     def encode_query_key(self, q, k, positions, shared_draw=None):
         return q, k
@@ -36,7 +42,7 @@ class PositionalEncoding(nn.Module):
     def log_decay(self) -> torch.Tensor | None:
         return None
 
-    def value_bias(self, values, key_positions, query_positions, causal):
+    def value_bias(self, values, key_positions, query_positions, causal, key_documents=None, query_documents=None):
         """W V at the queries, (B, H, N, d), for an encoding that adds one; see ``has_value_bias``."""
         return None
 

@@ -9,7 +9,7 @@ row sums plus a column Toeplitz over column sums (separate row and column weight
 """
 
 import torch
-from torch import nn
+from torch.nn import functional as F
 
 from .positional_encoding import PositionalEncoding
 from .positional_spe import fast_fft_size
@@ -32,20 +32,30 @@ def toeplitz_apply(lag_weights: torch.Tensor, values: torch.Tensor) -> torch.Ten
 class FastRelativePositionBias(PositionalEncoding):
     def __init__(self, num_heads: int, max_positions: int, position_dims: int = 1, init_std: float = 0.0):
         super().__init__()
-        self.max_positions = max_positions
-        weights = torch.zeros(position_dims, num_heads, 2 * max_positions - 1)
-        if init_std > 0:
-            weights.normal_(0.0, init_std)
-        self.weights = nn.Parameter(weights)  # [axis, head, max_positions - 1 + lag]
+        self.num_heads, self.max_positions, self.position_dims, self.init_std = (
+            num_heads,
+            max_positions,
+            position_dims,
+            init_std,
+        )
+        self.register_initial_values(trainable={"weights": True})  # [axis, head, max_positions - 1 + lag]
+
+    def initial_values(self):
+        weights = torch.zeros(self.position_dims, self.num_heads, 2 * self.max_positions - 1)
+        return {"weights": weights.normal_(0.0, self.init_std) if self.init_std > 0 else weights}
 
     @classmethod
     def from_options(cls, options, num_heads, head_dim, feature_dim):
         return cls(num_heads, options.max_positions, options.position_dims, options.fastrpb_init_std)
 
     def lag_weights(self, axis: int, span: int, causal: bool) -> torch.Tensor:
-        """(H, 2 span - 1) weights for lags -(span-1)..(span-1); negative lags zeroed when causal."""
+        """(H, 2 span - 1) weights for lags -(span-1)..(span-1), zero beyond the table (|lag| >= max_positions,
+        which only the gaps between packed documents reach); negative lags zeroed when causal."""
+        reach = min(span, self.max_positions)
         center = self.max_positions - 1
-        weights = self.weights[axis, :, center - span + 1 : center + span]
+        weights = self.weights[axis, :, center - reach + 1 : center + reach]
+        if reach < span:
+            weights = F.pad(weights, (span - reach, span - reach))
         if causal:
             weights = torch.cat([torch.zeros_like(weights[:, : span - 1]), weights[:, span - 1 :]], dim=-1)
         return weights
@@ -57,21 +67,45 @@ class FastRelativePositionBias(PositionalEncoding):
                 f"positions span {span}; use shorter inputs or a model with a larger max_positions"
             )
 
-    def value_bias(self, values, key_positions, query_positions, causal):
-        """values (B, H, T, d), zero where padded; key_positions (B, T, A); query_positions (B, N, A).
-        Returns W V at the queries: (B, H, N, d)."""
+    def value_bias(self, values, key_positions, query_positions, causal, key_documents=None, query_documents=None):
+        """values (B, H, T, d), zero where padded; key_positions (B, T, A); query_positions (B, N, A); the
+        documents of keys (B, T) and queries (B, N) of packed rows, or None. Returns W V at the queries:
+        (B, H, N, d); a query sees the values of its own document only."""
         if query_positions.shape[1] * key_positions.shape[1] <= 4096 * 64:
-            return self.dense(values, key_positions, query_positions, causal)
-        return self.fft(values, key_positions, query_positions, causal)
+            return self.dense(values, key_positions, query_positions, causal, key_documents, query_documents)
+        if key_documents is None:
+            return self.fft(values, key_positions, query_positions, causal)
+        # lay the documents out far apart: no learned lag reaches across (each one's span is checked)
+        key_positions, query_positions = self.separate_documents(
+            key_positions, query_positions, key_documents, query_documents
+        )
+        return self.fft(values, key_positions, query_positions, causal, check=False)
 
-    def fft(self, values, key_positions, query_positions, causal):
+    def separate_documents(self, key_positions, query_positions, key_documents, query_documents):
+        """1D positions (B, T, 1), (B, N, 1) moved so that documents are max_positions apart: document j of a
+        row starts at j * (longest document span + max_positions)."""
+        positions = torch.cat([key_positions[..., 0], query_positions[..., 0]], dim=1)
+        documents = torch.cat([key_documents, query_documents], dim=1)
+        documents = documents - documents.amin(1, keepdim=True)
+        count = int(documents.max()) + 1
+        low = positions.new_full((positions.shape[0], count), torch.iinfo(positions.dtype).max)
+        high = positions.new_full((positions.shape[0], count), torch.iinfo(positions.dtype).min)
+        low = low.scatter_reduce(1, documents, positions, "amin")
+        high = high.scatter_reduce(1, documents, positions, "amax")
+        span = int((high - low).clamp_min(0).max()) + 1
+        self.check_span(span)
+        moved = positions - low.gather(1, documents) + documents * (span + self.max_positions)
+        return moved[:, : key_positions.shape[1], None], moved[:, key_positions.shape[1] :, None]
+
+    def fft(self, values, key_positions, query_positions, causal, check=True):
         B, H, T, d = values.shape
         out = 0
         for axis in range(key_positions.shape[-1]):
             keys, queries = key_positions[..., axis], query_positions[..., axis]
             lo = torch.minimum(keys.amin(1), queries.amin(1))  # (B,)
             span = int(torch.maximum(keys.amax(1), queries.amax(1)).sub(lo).max()) + 1
-            self.check_span(span)
+            if check:
+                self.check_span(span)
             key_bins, query_bins = keys - lo[:, None], queries - lo[:, None]
             contiguous = span == T and bool((key_bins == torch.arange(T, device=keys.device)).all())
             if contiguous:  # one token per position, in order: the values are their own bins
@@ -86,14 +120,21 @@ class FastRelativePositionBias(PositionalEncoding):
                 out = out + mixed.gather(2, query_bins[:, None, :, None].expand(B, H, queries.shape[1], d))
         return out
 
-    def dense(self, values, key_positions, query_positions, causal):
+    def dense(self, values, key_positions, query_positions, causal, key_documents=None, query_documents=None):
         """The same product with an explicit (N x T) weight matrix; cheaper for short inputs and single steps."""
         out = 0
+        other_document = None
+        if key_documents is not None:
+            other_document = query_documents[:, :, None] != key_documents[:, None, :]  # (B, N, T)
         for axis in range(key_positions.shape[-1]):
             lags = query_positions[..., axis, None] - key_positions[:, None, :, axis]  # (B, N, T)
+            if other_document is not None:
+                lags = lags.masked_fill(other_document, 0)
             self.check_span(int(lags.abs().max()) + 1)
             weights = self.weights[axis][:, self.max_positions - 1 + lags].transpose(0, 1)  # (B, H, N, T)
             if causal:
                 weights = weights.masked_fill((lags < 0)[:, None], 0.0)
+            if other_document is not None:
+                weights = weights.masked_fill(other_document[:, None], 0.0)
             out = out + weights.to(values.dtype) @ values
         return out

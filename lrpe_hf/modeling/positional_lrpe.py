@@ -23,16 +23,20 @@ from torch import nn
 from .positional_encoding import PositionalEncoding, axis_of_each, unit_cos_sin
 from .positional_permute import PermutePositionalEncoding
 from .positional_rope import RotaryPositionalEncoding, rotary_frequencies
+from .reinitialisable import Reinitialisable
 
 
-class HouseholderReflection(nn.Module):
-    """x -> x - 2 (v . x) v / |v|^2 with one v per head (eq. 73)."""
+class HouseholderReflection(Reinitialisable):
+    """x -> x - 2 (v . x) v / |v|^2 with one random unit v per head (eq. 73)."""
 
     def __init__(self, num_heads: int, dim: int, learnable: bool = False):
         super().__init__()
-        vector = torch.randn(num_heads, dim)
-        vector = vector / vector.norm(dim=-1, keepdim=True)
-        self.vector = nn.Parameter(vector, requires_grad=learnable)
+        self.num_heads, self.dim = num_heads, dim
+        self.register_initial_values(trainable={"vector": learnable})
+
+    def initial_values(self):
+        vector = torch.randn(self.num_heads, self.dim)
+        return {"vector": vector / vector.norm(dim=-1, keepdim=True)}
 
     def forward(self, x):  # (B, H, N, m)
         v = self.vector / self.vector.norm(dim=-1, keepdim=True).clamp_min(1e-6)
@@ -40,35 +44,39 @@ class HouseholderReflection(nn.Module):
         return x - 2.0 * (x * v).sum(-1, keepdim=True) * v
 
 
-class OddEvenPermutation(nn.Module):
+class OddEvenPermutation(Reinitialisable):
     """Eq. 74: y[2k] = x[k], y[2k+1] = x[ceil(m/2) + k], the same for every head."""
 
     def __init__(self, dim: int):
         super().__init__()
-        index = torch.arange(dim)
-        source = torch.empty(dim, dtype=torch.long)
-        source[0::2] = index[0::2] // 2
-        source[1::2] = (index[1::2] - 1) // 2 + (dim - dim // 2)
-        self.register_buffer("source", source)
+        self.dim = dim
+        self.register_initial_values()
+
+    def initial_values(self):
+        index = torch.arange(self.dim)
+        source = torch.where(index % 2 == 0, index // 2, (index - 1) // 2 + (self.dim - self.dim // 2))
+        return {"source": source}
 
     def forward(self, x):
         return x[..., self.source]
 
 
-class DCTMatrix(nn.Module):
+class DCTMatrix(Reinitialisable):
     """The orthonormal DCT-II matrix, a real orthogonal P: y[k] = sum_n C[k, n] x[n],
     C[k, n] = sqrt(2/m) cos(pi (2n + 1) k / (2m)), row 0 scaled by 1/sqrt(2)."""
 
     def __init__(self, dim: int):
         super().__init__()
+        self.dim = dim
+        self.register_initial_values()
+
+    def initial_values(self):
+        m = self.dim
         rows = [
-            [
-                math.sqrt((1 if k == 0 else 2) / dim) * math.cos(math.pi * (2 * n + 1) * k / (2 * dim))
-                for n in range(dim)
-            ]
-            for k in range(dim)
+            [math.sqrt((1 if k == 0 else 2) / m) * math.cos(math.pi * (2 * n + 1) * k / (2 * m)) for n in range(m)]
+            for k in range(m)
         ]
-        self.register_buffer("matrix", torch.tensor(rows, dtype=torch.float32))
+        return {"matrix": torch.tensor(rows, dtype=torch.float32)}
 
     def forward(self, x):
         return x @ self.matrix.to(x.dtype).T
@@ -80,11 +88,13 @@ class LRPEUnitary(PositionalEncoding):
     def __init__(self, num_heads, feature_dim, p: nn.Module, position_dims=1, learnable_angles=True, base=10000.0):
         super().__init__()
         self.p = p
-        axis = axis_of_each(feature_dim, position_dims)
+        self.num_heads, self.feature_dim, self.position_dims, self.base = num_heads, feature_dim, position_dims, base
+        self.register_initial_values(trainable={"angles": learnable_angles})
+
+    def initial_values(self):
         # One angle per feature dimension: alpha_i = base^(-2i/m) over each axis's share of the dimensions.
-        angles = rotary_frequencies(feature_dim, base**2, position_dims).repeat(num_heads, 1)
-        self.angles = nn.Parameter(angles, requires_grad=learnable_angles)
-        self.register_buffer("axis", axis)
+        angles = rotary_frequencies(self.feature_dim, self.base**2, self.position_dims).repeat(self.num_heads, 1)
+        return {"angles": angles, "axis": axis_of_each(self.feature_dim, self.position_dims)}
 
     @classmethod
     def from_options(cls, options, num_heads, head_dim, feature_dim, p):
@@ -117,14 +127,14 @@ class LRPEOrthogonal(PositionalEncoding):
 class LRPEPermutation(PositionalEncoding):
     """Type 3 (eq. 24): Lambda(s) = P_pi^s, a fixed random permutation pi per head."""
 
-    def __init__(self, num_heads, feature_dim, p: nn.Module, position_dims=1):
+    def __init__(self, num_heads, feature_dim, p: nn.Module, position_dims=1, seed=0):
         super().__init__()
         self.p = p
-        self.permutation = PermutePositionalEncoding(num_heads, feature_dim, position_dims, causal=False)
+        self.permutation = PermutePositionalEncoding(num_heads, feature_dim, position_dims, causal=False, seed=seed)
 
     @classmethod
     def from_options(cls, options, num_heads, head_dim, feature_dim, p):
-        return cls(num_heads, feature_dim, p, options.position_dims)
+        return cls(num_heads, feature_dim, p, options.position_dims, options.permute_seed)
 
     def encode_features(self, q, k, positions):
         return self.permutation.encode_features(self.p(q), self.p(k), positions)

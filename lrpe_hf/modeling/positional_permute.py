@@ -10,20 +10,28 @@ permutations act on the two halves of the features, one driven by the row and on
 import torch
 
 from .positional_encoding import PositionalEncoding, distinct_rows
+from .reinitialisable import Reinitialisable, seeded_generator
 
 
-class CyclicPermutations(torch.nn.Module):
+class CyclicPermutations(Reinitialisable):
     """One random permutation pi_h of ``size`` elements per head, applied to the power ``s`` of any position.
 
     (P_pi^s x)_i = x[pi^s(i)]; pi^s(i) = cycle(i)[(index of i in its cycle + s) mod cycle length].
+    The permutations are drawn from ``seed`` (and the head and size), so they can be re-created.
     """
 
-    def __init__(self, num_heads: int, size: int):
+    def __init__(self, num_heads: int, size: int, seed: int = 0):
         super().__init__()
+        self.num_heads, self.size, self.seed = num_heads, size, seed
+        self.register_initial_values()
+
+    def initial_values(self):
+        num_heads, size = self.num_heads, self.size
         # Built on the CPU explicitly: from_pretrained constructs models on the meta device (values then load).
         members, start, length, index = (torch.zeros(num_heads, size, dtype=torch.long, device="cpu") for _ in range(4))
         for h in range(num_heads):
-            permutation = torch.randperm(size, device="cpu").tolist()
+            generator = seeded_generator(self.seed, size, h)
+            permutation = torch.randperm(size, generator=generator, device="cpu").tolist()
             seen, offset = [False] * size, 0
             for first in range(size):
                 if seen[first]:
@@ -37,8 +45,7 @@ class CyclicPermutations(torch.nn.Module):
                     members[h, offset + j] = element
                     start[h, element], length[h, element], index[h, element] = offset, len(cycle), j
                 offset += len(cycle)
-        for name, table in (("members", members), ("start", start), ("length", length), ("index", index)):
-            self.register_buffer(name, table)
+        return {"members": members, "start": start, "length": length, "index": index}
 
     def power_indices(self, positions: torch.Tensor) -> torch.Tensor:
         """positions (B, N) int -> indices pi_h^s(i) of shape (B, H, N, size)."""
@@ -62,27 +69,35 @@ def default_decays(num_heads: int) -> torch.Tensor:
 
 class PermutePositionalEncoding(PositionalEncoding):
     def __init__(
-        self, num_heads: int, feature_dim: int, position_dims: int = 1, causal: bool = False, decay: float | None = None
+        self,
+        num_heads: int,
+        feature_dim: int,
+        position_dims: int = 1,
+        causal: bool = False,
+        decay: float | None = None,
+        seed: int = 0,
     ):
         super().__init__()
-        self.position_dims = position_dims
+        self.num_heads, self.position_dims, self.causal, self.decay = num_heads, position_dims, causal, decay
         if position_dims == 1:
-            self.permutations = torch.nn.ModuleList([CyclicPermutations(num_heads, feature_dim)])
             self.split = [feature_dim]
         else:
             rows = (feature_dim + 1) // 2
             self.split = [rows, feature_dim - rows]
-            self.permutations = torch.nn.ModuleList([CyclicPermutations(num_heads, n) for n in self.split])
-        if decay is None:
-            decays = default_decays(num_heads) if causal else torch.ones(num_heads)
-        else:
-            decays = torch.full((num_heads,), float(decay))
-        self.register_buffer("decays", decays)
+        self.permutations = torch.nn.ModuleList(
+            [CyclicPermutations(num_heads, n, seed=2 * seed + axis) for axis, n in enumerate(self.split)]
+        )
+        self.register_initial_values()
+
+    def initial_values(self):
+        if self.decay is not None:
+            return {"decays": torch.full((self.num_heads,), float(self.decay))}
+        return {"decays": default_decays(self.num_heads) if self.causal else torch.ones(self.num_heads)}
 
     @classmethod
     def from_options(cls, options, num_heads, head_dim, feature_dim):
         o = options
-        return cls(num_heads, feature_dim, o.position_dims, o.causal, o.permute_decay)
+        return cls(num_heads, feature_dim, o.position_dims, o.causal, o.permute_decay, o.permute_seed)
 
     @property
     def log_decay(self):

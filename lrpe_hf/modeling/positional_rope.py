@@ -5,7 +5,6 @@ half of the pairs follows the row and the second half the column, each half with
 """
 
 import torch
-from torch import nn
 
 from .positional_encoding import PositionalEncoding, axis_of_each, unit_cos_sin, units_per_axis
 
@@ -38,13 +37,12 @@ class RotaryPositionalEncoding(PositionalEncoding):
         self, num_heads: int, feature_dim: int, base: float = 10000.0, position_dims: int = 1, learnable: bool = False
     ):
         super().__init__()
-        num_pairs = feature_dim // 2
-        frequencies = rotary_frequencies(num_pairs, base, position_dims).repeat(num_heads, 1)
-        if learnable:
-            self.frequencies = nn.Parameter(frequencies)
-        else:
-            self.register_buffer("frequencies", frequencies)
-        self.register_buffer("axis", axis_of_each(num_pairs, position_dims))
+        self.num_heads, self.num_pairs, self.base, self.position_dims = num_heads, feature_dim // 2, base, position_dims
+        self.register_initial_values(trainable={"frequencies": True} if learnable else {})
+
+    def initial_values(self):
+        frequencies = rotary_frequencies(self.num_pairs, self.base, self.position_dims).repeat(self.num_heads, 1)
+        return {"frequencies": frequencies, "axis": axis_of_each(self.num_pairs, self.position_dims)}
 
     @classmethod
     def from_options(cls, options, num_heads, head_dim, feature_dim):

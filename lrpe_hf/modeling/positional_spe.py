@@ -31,9 +31,9 @@ import math
 import zlib
 
 import torch
-from torch import nn
 
 from .positional_encoding import PositionalEncoding
+from .reinitialisable import Reinitialisable
 
 
 def _mix(seed: int, key: tuple) -> int:
@@ -105,7 +105,7 @@ class SPEDraw:
         return noise
 
 
-class SPECodes(nn.Module):
+class SPECodes(Reinitialisable):
     """The learnable kernels shared across layers; ``draw`` makes the noise for one forward pass."""
 
     def __init__(self, num_heads: int, head_dim: int, num_realizations: int, position_dims: int, seed: int):
@@ -155,11 +155,17 @@ class SineSPECodes(SPECodes):
     def __init__(self, num_heads, head_dim, num_realizations=32, num_sines=5, position_dims=1, seed=0):
         super().__init__(num_heads, head_dim, num_realizations, position_dims, seed)
         self.num_sines = num_sines
+        self.register_initial_values(trainable={"frequencies": True, "phases": True, "amplitudes": True})
+
+    def initial_values(self):
+        H, D, K = self.num_heads, self.head_dim, self.num_sines
         # Frequencies (cycles per position) spread log-uniformly over [1e-4, 0.5] for every (head, dim).
-        exponents = torch.rand(position_dims, num_heads, head_dim, num_sines)
-        self.frequencies = nn.Parameter(0.5 * (2e-4) ** exponents)
-        self.phases = nn.Parameter(torch.zeros(num_heads, head_dim, num_sines))
-        self.amplitudes = nn.Parameter(torch.ones(num_heads, head_dim, num_sines))
+        exponents = torch.rand(self.position_dims, H, D, K)
+        return {
+            "frequencies": 0.5 * (2e-4) ** exponents,
+            "phases": torch.zeros(H, D, K),
+            "amplitudes": torch.ones(H, D, K),
+        }
 
     def kernel(self, lags: torch.Tensor) -> torch.Tensor:
         """P_d(tau) for lags (T, A): (H, D, T). The expectation the codes are built to match."""
@@ -214,16 +220,16 @@ class ConvSPECodes(SPECodes):
     def __init__(self, num_heads, head_dim, num_realizations=32, kernel_size=64, position_dims=1, seed=0):
         super().__init__(num_heads, head_dim, num_realizations, position_dims, seed)
         self.kernel_size = kernel_size
-        shape = (num_heads, head_dim) + (kernel_size,) * position_dims
+        self.register_initial_values(trainable={"query_filters": True, "key_filters": True})
+
+    def initial_values(self):
+        H, D, L, A = self.num_heads, self.head_dim, self.kernel_size, self.position_dims
         # Start from decaying unit-norm windows with random time constants, so P_d(0) = 1 and P_d vanishes.
-        taps = torch.stack(
-            torch.meshgrid(*[torch.arange(kernel_size, dtype=torch.float)] * position_dims, indexing="ij")
-        ).norm(dim=0)
-        scale = kernel_size * torch.rand(num_heads, head_dim).clamp_min(0.05)
-        window = torch.exp(-taps / scale.view(num_heads, head_dim, *([1] * position_dims)))
-        window = window / window.flatten(2).norm(dim=-1).view(num_heads, head_dim, *([1] * position_dims))
-        self.query_filters = nn.Parameter(window.clone())
-        self.key_filters = nn.Parameter(window.clone() + 0.01 * torch.randn(shape))
+        taps = torch.stack(torch.meshgrid(*[torch.arange(L, dtype=torch.float)] * A, indexing="ij")).norm(dim=0)
+        scale = L * torch.rand(H, D).clamp_min(0.05)
+        window = torch.exp(-taps / scale.view(H, D, *([1] * A)))
+        window = window / window.flatten(2).norm(dim=-1).view(H, D, *([1] * A))
+        return {"query_filters": window.clone(), "key_filters": window + 0.01 * torch.randn(window.shape)}
 
     def kernel(self, lags: torch.Tensor) -> torch.Tensor:
         """Cross-correlation of the filters at lags (T, A) (1D and 2D): (H, D, T)."""
@@ -307,8 +313,12 @@ class StochasticPositionalEncoding(PositionalEncoding):
 
     def __init__(self, num_heads: int, head_dim: int, num_realizations: int, gated: bool):
         super().__init__()
-        self.num_realizations = num_realizations
-        self.gate_logits = nn.Parameter(torch.zeros(num_heads, head_dim)) if gated else None
+        self.num_heads, self.head_dim, self.num_realizations, self.gated = num_heads, head_dim, num_realizations, gated
+        self.gate_logits = None
+        self.register_initial_values(trainable={"gate_logits": True})
+
+    def initial_values(self):
+        return {"gate_logits": torch.zeros(self.num_heads, self.head_dim)} if self.gated else {}
 
     @classmethod
     def from_options(cls, options, num_heads, head_dim, feature_dim):

@@ -195,7 +195,10 @@ register_feature_map("relu", lambda options, dim: ReluFeatureMap(dim, options.re
 register_feature_map("exp", lambda options, dim: ExpFeatureMap(dim))
 register_feature_map("dpfp", lambda options, dim: DPFPFeatureMap(dim, options.dpfp_nu))
 register_feature_map(
-    "performer", lambda options, dim: PerformerFeatureMap(dim, options.performer_features, options.performer_redraw)
+    "performer",
+    lambda options, dim: PerformerFeatureMap(
+        dim, options.performer_features, options.performer_redraw, options.performer_seed
+    ),
 )
 
 register_lrpe_p_matrix("householder", HouseholderReflection)

@@ -18,12 +18,14 @@ from .attention_state import TensorState
 
 @dataclass
 class SoftmaxAttentionState(TensorState):
-    """Every past key (B, H, T, D'), value (B, H, T, d), padding mask (B, T) and position (B, T, A)."""
+    """Every past key (B, H, T, D'), value (B, H, T, d), padding mask (B, T), position (B, T, A) and document
+    (B, T)."""
 
     keys: torch.Tensor | None = None
     values: torch.Tensor | None = None
     key_mask: torch.Tensor | None = None
     key_positions: torch.Tensor | None = None
+    key_documents: torch.Tensor | None = None
 
 
 class SoftmaxAttention(nn.Module):
@@ -36,28 +38,34 @@ class SoftmaxAttention(nn.Module):
         self.causal = options.causal
         self.scale = 1.0 / math.sqrt(query_key_dim)
 
-    def forward(self, q, k, v, mask, positions, encoding, state=None, last_position=None):
+    def forward(self, q, k, v, mask, positions, encoding, state=None, last_position=None, starts=None, documents=None):
+        """documents (B, N): the document of each token of a packed row, counted across calls (always given with
+        a state), or None for one document; starts is unused (see ``KernelAttention``)."""
         q, k = encoding.encode_features(q, k, positions)
         B, H, N, _ = q.shape
         key_mask = mask if mask is not None else torch.ones(B, N, dtype=torch.bool, device=q.device)
-        key_positions = positions
+        key_positions, key_documents = positions, documents
         if state is not None:
             if state.keys is not None:
                 k = torch.cat([state.keys, k], dim=2)
                 v = torch.cat([state.values, v], dim=2)
                 key_mask = torch.cat([state.key_mask, key_mask], dim=1)
                 key_positions = torch.cat([state.key_positions, positions], dim=1)
-            state.keys, state.values, state.key_mask, state.key_positions = k, v, key_mask, key_positions
+                key_documents = torch.cat([state.key_documents, documents], dim=1)
+            state.keys, state.values, state.key_mask = k, v, key_mask
+            state.key_positions, state.key_documents = key_positions, key_documents
         log_decay = encoding.log_decay
         if log_decay is not None and not self.causal:
             raise ValueError(f"{type(encoding).__name__} decays with distance: it is for causal attention only")
-        if mask is None and state is None and log_decay is None:
+        if mask is None and state is None and log_decay is None and documents is None:
             return F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, scale=self.scale)
         T = k.shape[2]
         allowed = key_mask[:, None, None, :].expand(B, 1, N, T)
         if self.causal:
             order = torch.arange(T - N, T, device=q.device)[:, None] >= torch.arange(T, device=q.device)[None, :]
             allowed = allowed & order
+        if documents is not None:
+            allowed = allowed & (documents[:, None, :, None] == key_documents[:, None, None, :])
         allowed = allowed | ~allowed.any(-1, keepdim=True)  # rows with no key (padding): outputs are zeroed later
         bias = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill(~allowed, float("-inf"))
         if log_decay is not None:

@@ -10,6 +10,7 @@ from transformers import PreTrainedModel
 from transformers import initialization as init
 
 from .registry import positional_encoding_entry
+from .reinitialisable import Reinitialisable
 from .transformer_layer import LinearTransformerLayer
 
 
@@ -81,5 +82,9 @@ class LinearPreTrainedModel(PreTrainedModel):
                 init.ones_(module.weight)
             if getattr(module, "bias", None) is not None:
                 init.zeros_(module.bias)
-        # The positional encodings initialise their own parameters (angles, Householder vectors, SPE kernels,
-        # FastRPB weights) when they are built; checkpoints always carry them.
+        elif isinstance(module, nn.Conv2d):  # LinearViT's patch projection
+            init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                init.zeros_(module.bias)
+        elif isinstance(module, Reinitialisable):  # encodings, feature maps, P matrices, SPE kernels
+            module.reset_parameters()

@@ -1,0 +1,44 @@
+"""Modules that can re-create their own parameters and buffers.
+
+A model built on the meta device (``from_pretrained``, accelerate's ``init_empty_weights``, FSDP) holds empty
+tensors until they are loaded or initialised. Transformers' ``init_weights`` calls the model's ``_init_weights``
+on every module; for these modules that calls ``reset_parameters``, which writes the values of
+``initial_values()`` in place and leaves alone what a checkpoint already loaded (``transformers.initialization``
+checks each tensor's ``_is_hf_initialized`` flag). Random tables that are buffers draw from a seeded generator,
+so that they are re-created identically.
+"""
+
+import torch
+from torch import nn
+from transformers import initialization as init
+
+
+class Reinitialisable(nn.Module):
+    """Base class: ``initial_values()`` gives each parameter and buffer of the module itself (not its children)."""
+
+    def initial_values(self) -> dict[str, torch.Tensor]:
+        return {}
+
+    def register_initial_values(self, trainable: dict[str, bool] | None = None):
+        """Register every initial value: as a parameter when ``trainable`` names it (with that requires_grad),
+        else as a buffer."""
+        trainable = trainable or {}
+        for name, value in self.initial_values().items():
+            if name in trainable:
+                setattr(self, name, nn.Parameter(value, requires_grad=trainable[name]))
+            else:
+                self.register_buffer(name, value)
+
+    @torch.no_grad()
+    def reset_parameters(self):
+        for name, value in self.initial_values().items():
+            tensor = getattr(self, name)
+            init.copy_(tensor, value.to(device=tensor.device, dtype=tensor.dtype))
+
+
+def seeded_generator(*key: int) -> torch.Generator:
+    """A CPU generator seeded by a tuple of integers (a seed and, e.g., a head index)."""
+    state = 0
+    for value in key:
+        state = (state * 6364136223846793005 + int(value) + 1442695040888963407) % (2**63)
+    return torch.Generator(device="cpu").manual_seed(state)
