@@ -4,10 +4,12 @@ import math
 from dataclasses import dataclass, field
 from itertools import chain
 
+import torch
 from transformers import (
     AutoModelForCausalLM,
     AutoModelForMaskedLM,
     DataCollatorForLanguageModeling,
+    DataCollatorWithFlattening,
     HfArgumentParser,
     TrainingArguments,
 )
@@ -46,7 +48,17 @@ class LanguageModelingDataArguments:
     dataset_name: str | None = field(default=None, metadata={"help": "a Hub data set (online)"})
     dataset_config: str | None = None
     text_column: str = "text"
-    block_size: int = field(default=128, metadata={"help": "tokens per training example"})
+    block_size: int = field(
+        default=128, metadata={"help": "tokens per training example (per document if not concatenated)"}
+    )
+    document_layout: str = field(
+        default="concatenated",
+        metadata={
+            "help": "concatenated: documents joined and cut into blocks of block_size; padded: one document (its first "
+            "block_size tokens) per example, padded per batch; flattened: one document per example, a batch packed "
+            "into one row without padding (DataCollatorWithFlattening; position_ids restart per document)"
+        },
+    )
     mlm_probability: float = 0.15
     max_train_samples: int | None = None
     max_eval_samples: int | None = None
@@ -67,11 +79,52 @@ def group_into_blocks(dataset, tokenizer, text_column: str, block_size: int):
     return tokenized.map(group, batched=True, batch_size=1000, desc=f"Grouping into blocks of {block_size}")
 
 
+LAYOUTS = ("concatenated", "padded", "flattened")
+
+
+def one_document_per_example(dataset, tokenizer, text_column: str, block_size: int):
+    """Tokenize every document on its own, truncated to ``block_size`` tokens; empty documents are dropped."""
+
+    def tokenize(batch):
+        return tokenizer(batch[text_column], truncation=True, max_length=block_size, return_attention_mask=False)
+
+    tokenized = dataset.map(tokenize, batched=True, remove_columns=dataset["train"].column_names, desc="Tokenizing")
+    return tokenized.filter(lambda example: len(example["input_ids"]) > 1, desc="Dropping empty documents")
+
+
+class FlattenedMaskedLMCollator:
+    """DataCollatorWithFlattening for masked language modelling: the batch's documents in one row with restarting
+    position_ids, then BERT's masking of the flattened tokens."""
+
+    def __init__(self, tokenizer, mlm_probability: float):
+        self.flatten = DataCollatorWithFlattening(return_position_ids=True)
+        self.masking = DataCollatorForLanguageModeling(tokenizer, mlm=True, mlm_probability=mlm_probability)
+
+    def __call__(self, features):
+        batch = self.flatten([{"input_ids": f["input_ids"]} for f in features], return_tensors="pt")
+        special = torch.tensor(
+            self.masking.tokenizer.get_special_tokens_mask(
+                batch["input_ids"][0].tolist(), already_has_special_tokens=True
+            ),
+            dtype=torch.bool,
+        )[None]
+        batch["input_ids"], batch["labels"] = self.masking.torch_mask_tokens(batch["input_ids"], special)
+        return batch
+
+
+def build_collator(kind: str, layout: str, tokenizer, mlm_probability: float):
+    if layout == "flattened":
+        return FlattenedMaskedLMCollator(tokenizer, mlm_probability) if kind == "mlm" else DataCollatorWithFlattening()
+    return DataCollatorForLanguageModeling(tokenizer, mlm=kind == "mlm", mlm_probability=mlm_probability)
+
+
 def main(kind: str, args=None):
     """Masked ("mlm") or causal ("clm") language-model training."""
     spec = KINDS[kind]
     parser = HfArgumentParser((ModelArguments, LanguageModelingDataArguments, TrainingArguments))
     model_args, data_args, training_args = parse_script_arguments(parser, args)
+    if data_args.document_layout not in LAYOUTS:
+        raise ValueError(f"Unknown --document_layout {data_args.document_layout!r}; valid values: {', '.join(LAYOUTS)}")
 
     # Everything that can be wrong is checked before any training starts.
     dataset = load_files_or_hub(
@@ -97,19 +150,21 @@ def main(kind: str, args=None):
         tokenizer.pad_token = tokenizer.eos_token
 
     with training_args.main_process_first(desc="preparing the data"):
-        blocks = group_into_blocks(dataset, tokenizer, data_args.text_column, data_args.block_size)
+        prepare = group_into_blocks if data_args.document_layout == "concatenated" else one_document_per_example
+        blocks = prepare(dataset, tokenizer, data_args.text_column, data_args.block_size)
     train = select_samples(blocks["train"], data_args.max_train_samples)
     evaluation = select_samples(blocks.get("validation"), data_args.max_eval_samples)
     if len(train) == 0:
         raise ValueError(f"The training text is shorter than one block of {data_args.block_size} tokens")
 
-    collator = DataCollatorForLanguageModeling(tokenizer, mlm=kind == "mlm", mlm_probability=data_args.mlm_probability)
+    collator = build_collator(kind, data_args.document_layout, tokenizer, data_args.mlm_probability)
     source = data_args.dataset_name or data_args.train_file
     card = dict(
         task_description=f"{spec['what']} on {source}",
         auto_class=spec["auto_name"],
         datasets=[data_args.dataset_name] if data_args.dataset_name else [],
-        training=f"{training_args.num_train_epochs} epochs, blocks of {data_args.block_size} tokens, "
+        training=f"{training_args.num_train_epochs} epochs, {data_args.document_layout} examples of at most "
+        f"{data_args.block_size} tokens, "
         f"learning rate {training_args.learning_rate}, seed {training_args.seed}.",
         pipeline_tag=spec["pipeline_tag"],
     )
