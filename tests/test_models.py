@@ -359,3 +359,6 @@ def test_meta_device_initialisation_recreates_every_buffer(family, encoding):
         assert torch.isfinite(parameter).all(), name
     with torch.no_grad():
         assert torch.isfinite(empty(**make_inputs()).logits).all()
+    if encoding in ("permute", "lrpe_permutation"):  # seeded per layer: every layer has its own permutations
+        first, second = (name for name in buffers if name.endswith("permutations.0.members"))
+        assert not torch.equal(buffers[first], buffers[second])

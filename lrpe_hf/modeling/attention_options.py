@@ -37,6 +37,7 @@ class AttentionOptions:
     causal: bool = option(False, "attend to past tokens only", per_family=True)
     position_dims: int = option(1, "1 for sequences, 2 for image patches carrying (row, col)", per_family=True)
     max_positions: int | None = option(None, "fastrpb: the longest span of positions (per axis in 2D)", per_family=True)
+    layer_index: int = option(0, "the layer's place in its model: random tables differ per layer", per_family=True)
     chunk_size: int | None = option(None, "causal chunk length; default 64 up to 8k tokens, 128 beyond")
     eps: float = option(
         1e-6,

@@ -134,7 +134,7 @@ class LRPEPermutation(PositionalEncoding):
 
     @classmethod
     def from_options(cls, options, num_heads, head_dim, feature_dim, p):
-        return cls(num_heads, feature_dim, p, options.position_dims, options.permute_seed)
+        return cls(num_heads, feature_dim, p, options.position_dims, options.permute_seed * 1000 + options.layer_index)
 
     def encode_features(self, q, k, positions):
         return self.permutation.encode_features(self.p(q), self.p(k), positions)

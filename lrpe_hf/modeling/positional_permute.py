@@ -97,7 +97,8 @@ class PermutePositionalEncoding(PositionalEncoding):
     @classmethod
     def from_options(cls, options, num_heads, head_dim, feature_dim):
         o = options
-        return cls(num_heads, feature_dim, o.position_dims, o.causal, o.permute_decay, o.permute_seed)
+        seed = o.permute_seed * 1000 + o.layer_index  # every layer draws its own permutations
+        return cls(num_heads, feature_dim, o.position_dims, o.causal, o.permute_decay, seed)
 
     @property
     def log_decay(self):

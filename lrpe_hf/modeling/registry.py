@@ -197,7 +197,7 @@ register_feature_map("dpfp", lambda options, dim: DPFPFeatureMap(dim, options.dp
 register_feature_map(
     "performer",
     lambda options, dim: PerformerFeatureMap(
-        dim, options.performer_features, options.performer_redraw, options.performer_seed
+        dim, options.performer_features, options.performer_redraw, options.performer_seed * 1000 + options.layer_index
     ),
 )
 

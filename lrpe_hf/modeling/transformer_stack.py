@@ -5,6 +5,8 @@ every layer, one draw per forward) and the redraw of random features (once per t
 runs, so that gradient checkpointing replays the same features). The attention options are built once here.
 """
 
+from dataclasses import replace
+
 from torch import nn
 from transformers import PreTrainedModel
 from transformers import initialization as init
@@ -19,7 +21,10 @@ class LinearTransformerStack(nn.Module):
         super().__init__()
         options = config.attention_options()
         self.layers = nn.ModuleList(
-            [LinearTransformerLayer(config, options, pre_norm) for _ in range(config.num_hidden_layers)]
+            [
+                LinearTransformerLayer(config, replace(options, layer_index=index), pre_norm)
+                for index in range(config.num_hidden_layers)
+            ]
         )
         build_shared = positional_encoding_entry(options.positional_encoding).build_shared
         head_dim = config.hidden_size // config.num_attention_heads
