@@ -28,6 +28,7 @@ from transformers import (
 from lrpe_hf import LinearRobertaConfig, LinearRobertaForSequenceClassification
 from lrpe_hf.training.arguments import ModelArguments, build_config, parse_script_arguments
 from lrpe_hf.training.data import check_columns, load_files_or_hub, load_tokenizer, select_samples
+from lrpe_hf.training.lora import apply_lora
 from lrpe_hf.training.metrics import GLUE_TASKS, load_glue_metric
 from lrpe_hf.training.trainer import CardTrainer, train_and_evaluate
 
@@ -124,6 +125,7 @@ def main(args=None):
             **label_fields,
         )
         model = LinearRobertaForSequenceClassification(config)
+    model = apply_lora(model, model_args, "sequence_classification")
 
     label_to_id = (
         None if is_regression or hasattr(label_feature, "names") else {n: i for i, n in enumerate(label_names)}

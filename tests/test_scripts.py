@@ -488,3 +488,90 @@ def test_malformed_data_file_stops_with_a_clear_message(workspace, mlm_checkpoin
                 *QUIET,
             ]
         )
+
+
+MERGED_LOAD = """
+import sys
+sys.modules["lrpe_hf"] = None  # a user without lrpe-hf (or peft) installed
+sys.modules["peft"] = None
+import torch
+from transformers import AutoModelForSequenceClassification
+model = AutoModelForSequenceClassification.from_pretrained(sys.argv[1], trust_remote_code=True).eval()
+inputs = torch.load(sys.argv[2])
+with torch.no_grad():
+    torch.testing.assert_close(model(**inputs).logits, torch.load(sys.argv[3]))
+print("merged ok")
+"""
+
+
+def test_lora_fine_tuning_pushes_the_adapter_and_writes_a_merged_model(mlm_checkpoint, workspace, monkeypatch):
+    """run_glue.py --lora_r: only the adapters (and the head) train; the adapter and its card go to the Hub;
+    merged/ loads as remote code where neither lrpe-hf nor peft is installed and equals base + adapter."""
+    import transformers.trainer
+    from peft import PeftModel
+    from transformers import AutoModelForSequenceClassification
+
+    cache = workspace / "hf_home_lora"
+    monkeypatch.setattr(transformers.trainer, "hf_api", lambda: HubStandIn(cache))
+    out = workspace / "lora"
+    arguments = ["--model_name_or_path", str(mlm_checkpoint), "--lora_r", "4", "--learning_rate", "1e-2"]
+    arguments += ["--train_file", str(ROOT / "data/tweet_sentiment/train.csv"), "--max_train_samples", "32"]
+    arguments += ["--validation_file", str(ROOT / "data/tweet_sentiment/validation.csv"), "--max_eval_samples", "8"]
+    arguments += ["--max_steps", "3", "--output_dir", str(out), "--push_to_hub", "--hub_model_id", "org/lora"]
+    run_glue.main([*arguments, "--hub_strategy", "end", *QUIET])
+
+    snapshot = next((cache / "hub" / "models--org--lora" / "snapshots").iterdir())
+    pushed = {p.name for p in snapshot.iterdir()}
+    assert {"adapter_config.json", "adapter_model.safetensors", "README.md", "tokenizer.json"} <= pushed
+    assert "model.safetensors" not in pushed  # the adapter only
+    card = (snapshot / "README.md").read_text()
+    assert "library_name: peft" in card and "LoRA adapter" in card and str(mlm_checkpoint) in card
+
+    base = AutoModelForSequenceClassification.from_pretrained(mlm_checkpoint, num_labels=3)
+    model = PeftModel.from_pretrained(base, out).eval()
+    changed = load_file(out / "adapter_model.safetensors")
+    assert any("lora_B" in name and tensor.abs().sum() > 0 for name, tensor in changed.items())  # it trained
+    inputs = AutoTokenizer.from_pretrained(out)(["a fine day", "so bad"], return_tensors="pt", padding=True)
+    with torch.no_grad():
+        expected = model(**inputs).logits
+    torch.save(dict(inputs), workspace / "lora_inputs.pt")
+    torch.save(expected, workspace / "lora_logits.pt")
+    script = [sys.executable, "-c", MERGED_LOAD, str(out / "merged")]
+    result = subprocess.run(
+        [*script, str(workspace / "lora_inputs.pt"), str(workspace / "lora_logits.pt")],
+        capture_output=True,
+        text=True,
+        cwd=workspace,
+    )
+    assert result.returncode == 0 and "merged ok" in result.stdout, result.stderr[-3000:]
+
+
+def test_lora_causal_lm(workspace):
+    base = workspace / "clm_base"
+    common = ["--tokenizer_name", str(workspace / "tokenizer"), "--train_file", str(workspace / "train.txt")]
+    common += ["--block_size", "32", "--per_device_train_batch_size", "4", *QUIET]
+    run_language_modeling("clm", [*common, *TINY, "--max_steps", "1", "--output_dir", str(base)])
+    out = workspace / "clm_lora"
+    run_language_modeling(
+        "clm",
+        [*common, "--model_name_or_path", str(base), "--lora_r", "2", "--max_steps", "2", "--output_dir", str(out)],
+    )
+    assert (out / "adapter_config.json").exists() and (out / "merged" / "model.safetensors").exists()
+    merged = AutoModelForCausalLM.from_pretrained(out / "merged")
+    generated = merged.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=3, do_sample=False)
+    assert generated.shape == (1, 6)
+    with pytest.raises(ValueError, match="no such module"):
+        run_language_modeling(
+            "clm",
+            [
+                *common,
+                "--model_name_or_path",
+                str(base),
+                "--lora_r",
+                "2",
+                "--lora_target_modules",
+                "query",
+                "--output_dir",
+                str(workspace / "bad_lora"),
+            ],
+        )

@@ -32,6 +32,12 @@ class ModelArguments:
         default=None, metadata={"help": "JSON of further config fields, e.g. '{\"permute_decay\": 0.95}'"}
     )
     trust_remote_code: bool = False
+    lora_r: int = field(default=0, metadata={"help": "LoRA rank; 0 (default) trains every weight"})
+    lora_alpha: float = field(default=16.0, metadata={"help": "LoRA scaling alpha (the update is scaled by alpha/r)"})
+    lora_dropout: float = field(default=0.0, metadata={"help": "dropout on the LoRA branch"})
+    lora_target_modules: str = field(
+        default="q_proj,v_proj", metadata={"help": "comma-separated module names that get LoRA adapters"}
+    )
 
     def config_fields(self) -> dict:
         """The config fields given on the command line."""

@@ -17,6 +17,7 @@ from transformers import (
 from .. import LinearGPTConfig, LinearGPTForCausalLM, LinearRobertaConfig, LinearRobertaForMaskedLM
 from .arguments import ModelArguments, build_config, parse_script_arguments
 from .data import check_columns, load_files_or_hub, load_tokenizer, select_samples
+from .lora import apply_lora
 from .trainer import CardTrainer, train_and_evaluate
 
 KINDS = {
@@ -148,6 +149,7 @@ def main(kind: str, args=None):
         model.resize_token_embeddings(len(tokenizer))
     if kind == "clm" and tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
+    model = apply_lora(model, model_args, kind)
 
     with training_args.main_process_first(desc="preparing the data"):
         prepare = group_into_blocks if data_args.document_layout == "concatenated" else one_document_per_example

@@ -17,6 +17,24 @@ def results_table(metrics: dict) -> str:
     return "\n".join(["| metric | value |", "|---|---|"] + rows)
 
 
+def adapter_section(adapter, model_id: str, auto_class: str) -> str:
+    modules = ", ".join(sorted(adapter.target_modules))
+    return f"""
+## LoRA adapter
+
+This repository holds a LoRA adapter (rank {adapter.r}, alpha {adapter.lora_alpha}, on {modules}) for the base
+model `{adapter.base_model_name_or_path}`; the training run also wrote the merged model to `merged/`.
+
+```python
+from peft import PeftModel
+from transformers import {auto_class}
+
+base = {auto_class}.from_pretrained("{adapter.base_model_name_or_path}", trust_remote_code=True)
+model = PeftModel.from_pretrained(base, "{model_id}")
+```
+"""
+
+
 def write_model_card(
     output_dir,
     model,
@@ -34,15 +52,18 @@ def write_model_card(
     config = model.config
     template = Template(resources.files(__package__).joinpath("model_cards", f"{config.model_type}.md").read_text())
     options = config.attention_options()
+    adapter = getattr(model, "peft_config", {}).get("default")
     data = ModelCardData(
         license=license,
-        library_name="transformers",
+        library_name="peft" if adapter else "transformers",
+        base_model=adapter.base_model_name_or_path if adapter else None,
         pipeline_tag=pipeline_tag,
         datasets=datasets or None,
         metrics=sorted(
             {name.removeprefix("eval_") for name in metrics if not name.endswith(("runtime", "per_second"))}
         ),
-        tags=["lrpe-hf", config.model_type, f"positional-encoding-{config.positional_encoding}", "linear-attention"],
+        tags=["lrpe-hf", config.model_type, f"positional-encoding-{config.positional_encoding}", "linear-attention"]
+        + (["lora"] if adapter else []),
     )
     body = template.safe_substitute(
         model_name=model_id.split("/")[-1],
@@ -61,6 +82,8 @@ def write_model_card(
         results=results_table(metrics),
         training=training,
     )
+    if adapter:
+        body += adapter_section(adapter, model_id, auto_class)
     card = ModelCard(f"---\n{data.to_yaml()}\n---\n\n{body}")
     path = Path(output_dir) / "README.md"
     card.save(path)

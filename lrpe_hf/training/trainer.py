@@ -4,6 +4,7 @@ from pathlib import Path
 
 from transformers import Trainer
 
+from .lora import is_adapter, save_merged_model
 from .model_card import write_model_card
 from .plots import plot_loss_curves
 
@@ -31,7 +32,7 @@ class CardTrainer(Trainer):
 def train_and_evaluate(trainer: CardTrainer, extra_metrics=None) -> dict:
     """Train (``--do_train``), evaluate (``--do_eval``, when there is evaluation data), then save the model, its
     state, the metrics, the loss-curve PNG and the card, and push if asked (see ``parse_script_arguments`` for
-    the flags' defaults).
+    the flags' defaults). A LoRA run saves and pushes its adapter, and writes the merged model to ``merged/``.
 
     ``extra_metrics(metrics)`` returns more metrics computed from the evaluation's (e.g. perplexity)."""
     args = trainer.args
@@ -61,4 +62,6 @@ def train_and_evaluate(trainer: CardTrainer, extra_metrics=None) -> dict:
         trainer.create_model_card()
     if trainer.args.push_to_hub:
         trainer.push_to_hub()
+    if is_adapter(trainer.model) and trainer.is_world_process_zero():
+        save_merged_model(trainer.model, trainer.processing_class, Path(args.output_dir) / "merged")
     return metrics
