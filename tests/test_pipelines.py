@@ -95,3 +95,22 @@ def test_image_classification(tmp_path):
     results = classify(image)
     assert {r["label"] for r in results} <= {"a", "b", "c"}
     torch.testing.assert_close(sum(r["score"] for r in results), 1.0, atol=1e-4, rtol=0)
+
+
+def test_streaming_generation_with_text_iterator_streamer(tokenizer):
+    """generate() in a thread feeds a TextIteratorStreamer; the streamed text is the decoded continuation."""
+    from threading import Thread
+
+    from transformers import TextIteratorStreamer
+
+    torch.manual_seed(0)
+    model = LinearGPTForCausalLM(LinearGPTConfig(vocab_size=len(tokenizer), pad_token_id=1, **TINY)).eval()
+    inputs = tokenizer(["the cat"], return_tensors="pt")
+    expected = model.generate(**inputs, max_new_tokens=8, do_sample=False)
+    streamer = TextIteratorStreamer(tokenizer, skip_prompt=True)
+    thread = Thread(target=model.generate, kwargs=dict(**inputs, max_new_tokens=8, do_sample=False, streamer=streamer))
+    thread.start()
+    pieces = list(streamer)
+    thread.join()
+    assert len(pieces) > 1  # text arrives piece by piece
+    assert "".join(pieces) == tokenizer.decode(expected[0, inputs["input_ids"].shape[1] :])
