@@ -156,8 +156,7 @@ def main(args=None):
         auto_class="AutoModelForSequenceClassification",
         datasets=["nyu-mll/glue"] if data_args.task_name else [],
         pipeline_tag="text-classification",
-        training=f"{training_args.num_train_epochs} epochs at learning rate {training_args.learning_rate}, "
-        f"sequences of at most {data_args.max_seq_length} tokens, seed {training_args.seed}.",
+        data_description=f"Sequences of at most {data_args.max_seq_length} tokens.",
     )
     trainer = CardTrainer(
         model=model,

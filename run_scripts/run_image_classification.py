@@ -116,8 +116,8 @@ def main(args=None):
         auto_class="AutoModelForImageClassification",
         pipeline_tag="image-classification",
         datasets=[data_args.dataset_name] if data_args.dataset_name else [],
-        training=f"{training_args.num_train_epochs} epochs at learning rate {training_args.learning_rate}, "
-        f"seed {training_args.seed}; top-1 accuracy on the validation split.",
+        data_description=f"{model.config.image_size}x{model.config.image_size} images; top-1 accuracy on the "
+        "validation split.",
     )
     trainer = CardTrainer(
         model=model,

@@ -122,10 +122,31 @@ def test_clm_training(workspace):
         ],
     )
     assert metrics["eval_loss"] > 0
+    check_card_against_trainer_state(out)
     model = AutoModelForCausalLM.from_pretrained(out)
     tokenizer = AutoTokenizer.from_pretrained(out)
     generated = model.generate(**tokenizer("The", return_tensors="pt"), max_new_tokens=4, do_sample=False)
     assert generated.shape[1] >= 2
+
+
+def check_card_against_trainer_state(out: Path):
+    """Every figure the card states about the training equals the Trainer's own record."""
+    card = (out / "README.md").read_text()
+    state = json.loads((out / "trainer_state.json").read_text())
+    summary = next(entry for entry in state["log_history"] if "train_loss" in entry)
+    assert f"Trained for {state['global_step']} steps ({state['epoch']:.4g} epochs" in card
+    assert f"{state['num_input_tokens_seen']:,} tokens seen" in card and state["num_input_tokens_seen"] > 0
+    assert f"in {summary['train_runtime']:.1f} s on CPU" in card
+    assert f"final training loss {summary['train_loss']:.4f}" in card
+    evaluations = [entry for entry in state["log_history"] if "eval_loss" in entry]
+    table = card.split("### Evaluations")[1].split("![")[0]
+    assert table.count("\n|") == 2 + len(evaluations)  # header, rule and one row per evaluation
+    for entry in evaluations:
+        assert f"{entry['eval_loss']:.4f}" in table
+    for line in ("- learning_rate:", "- train_batch_size:", "- seed: 0", "- lr_scheduler_type:", "- transformers "):
+        assert line in card, line
+    assert "![Training and evaluation loss](loss_curves.png)" in card and (out / "loss_curves.png").exists()
+    assert "epochs at learning rate" not in card  # no figure taken from the arguments instead of the run
 
 
 @pytest.mark.parametrize("kind", ["clm", "mlm"])

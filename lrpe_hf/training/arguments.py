@@ -4,6 +4,7 @@ import json
 import sys
 from dataclasses import dataclass, field
 
+import torch
 import transformers
 from transformers import set_seed
 
@@ -72,6 +73,10 @@ def parse_script_arguments(parser, args=None):
     training_args = parsed[-1]
     if not any(a.split("=")[0] in ("--do_train", "--do_eval") for a in argv):
         training_args.do_train = training_args.do_eval = True
+    if training_args.include_num_input_tokens_seen in (False, "no"):  # the model card reports the tokens seen
+        training_args.include_num_input_tokens_seen = "non_padding"
+    if not torch.cuda.is_available():  # pinned memory needs an accelerator (torch warns otherwise)
+        training_args.dataloader_pin_memory = False
     transformers.utils.logging.set_verbosity(training_args.get_process_log_level())
     set_seed(training_args.seed)
     return parsed

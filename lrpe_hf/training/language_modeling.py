@@ -165,9 +165,7 @@ def main(kind: str, args=None):
         task_description=f"{spec['what']} on {source}",
         auto_class=spec["auto_name"],
         datasets=[data_args.dataset_name] if data_args.dataset_name else [],
-        training=f"{training_args.num_train_epochs} epochs, {data_args.document_layout} examples of at most "
-        f"{data_args.block_size} tokens, "
-        f"learning rate {training_args.learning_rate}, seed {training_args.seed}.",
+        data_description=f"{data_args.document_layout.capitalize()} examples of at most {data_args.block_size} tokens.",
         pipeline_tag=spec["pipeline_tag"],
     )
     trainer = CardTrainer(

@@ -1,10 +1,15 @@
-"""Model cards for trained checkpoints: Hub metadata plus a filled-in template (package data in model_cards/)."""
+"""Model cards for trained checkpoints: Hub metadata, a filled-in template (package data in model_cards/) and a
+training section that states what happened, read from the Trainer's state (steps, epochs, tokens seen, time,
+hardware, hyperparameters, every evaluation, framework versions)."""
 
-from importlib import resources
+import os
+from importlib import metadata, resources
 from pathlib import Path
 from string import Template
 
+import torch
 from huggingface_hub import ModelCard, ModelCardData
+from transformers.modelcard import extract_hyperparameters_from_trainer, make_markdown_table
 
 
 def results_table(metrics: dict) -> str:
@@ -15,6 +20,69 @@ def results_table(metrics: dict) -> str:
         for name, value in sorted(metrics.items())
     ]
     return "\n".join(["| metric | value |", "|---|---|"] + rows)
+
+
+def hardware(world_size: int) -> str:
+    if torch.cuda.is_available():
+        device = f"{torch.cuda.get_device_name()} GPU"
+    else:
+        model = ""
+        if Path("/proc/cpuinfo").exists():
+            lines = Path("/proc/cpuinfo").read_text().splitlines()
+            model = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "")
+        device = f"CPU ({os.cpu_count()} cores{', ' + model if model else ''})"
+    return f"{world_size} x {device}" if world_size > 1 else device
+
+
+def evaluation_lines(log_history: list[dict]) -> list[dict]:
+    """One row per evaluation: step, epoch, the last training loss logged before it, and its metrics."""
+    lines, training_loss = [], "-"
+    for entry in log_history:
+        if "loss" in entry:
+            training_loss = entry["loss"]
+        elif "train_loss" in entry and training_loss == "-":  # no step was logged: the run's mean loss
+            training_loss = entry["train_loss"]
+        if "eval_loss" in entry:
+            row = {"Step": entry.get("step"), "Epoch": entry.get("epoch"), "Training loss": training_loss}
+            for name, value in entry.items():
+                if name.startswith("eval_") and not name.endswith(("runtime", "per_second")):
+                    row[name.removeprefix("eval_").replace("_", " ").capitalize()] = value
+            lines.append(row)
+    return lines
+
+
+def framework_versions() -> str:
+    names = ["lrpe-hf", "transformers", "torch", "datasets", "tokenizers", "accelerate", "peft"]
+    versions = []
+    for name in names:
+        try:
+            versions.append(f"- {name} {metadata.version(name)}")
+        except metadata.PackageNotFoundError:
+            continue
+    return "\n".join(versions)
+
+
+def training_section(trainer, data_description: str) -> str:
+    """What the run did, with the figures the Trainer recorded."""
+    state, args = trainer.state, trainer.args
+    summary = next((entry for entry in state.log_history if "train_loss" in entry), None)
+    if summary is None:
+        done = "This run did not train (evaluation only)."
+    else:
+        tokens = f", {state.num_input_tokens_seen:,} tokens seen" if state.num_input_tokens_seen else ""
+        done = (
+            f"Trained for {state.global_step} steps ({state.epoch:.4g} epochs{tokens}) in "
+            f"{summary['train_runtime']:.1f} s on {hardware(args.world_size)}; final training loss "
+            f"{summary['train_loss']:.4f}."
+        )
+    hyperparameters = "\n".join(
+        f"- {name}: {value}" for name, value in extract_hyperparameters_from_trainer(trainer).items()
+    )
+    table = make_markdown_table(evaluation_lines(state.log_history)) or "No evaluation was run.\n"
+    return (
+        f"{done} {data_description}\n\n### Hyperparameters\n\n{hyperparameters}\n\n### Evaluations\n\n{table}\n"
+        f"![Training and evaluation loss](loss_curves.png)\n\n### Framework versions\n\n{framework_versions()}"
+    )
 
 
 def adapter_section(adapter, model_id: str, auto_class: str) -> str:

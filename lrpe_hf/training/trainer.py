@@ -5,13 +5,14 @@ from pathlib import Path
 from transformers import Trainer
 
 from .lora import is_adapter, save_merged_model
-from .model_card import write_model_card
+from .model_card import training_section, write_model_card
 from .plots import plot_loss_curves
 
 
 class CardTrainer(Trainer):
     """``Trainer`` with ``create_model_card`` rendering model_cards/<model_type>.md, so that ``--push_to_hub``
-    uploads the lrpe-hf card (metrics, encoding, usage) along with the weights, code and tokenizer."""
+    uploads the lrpe-hf card (metrics, encoding, usage, what the training did) along with the weights, code and
+    tokenizer. ``card`` holds the template's fields; its ``data_description`` says how the data was cut."""
 
     def __init__(self, *args, card: dict, **kwargs):
         super().__init__(*args, **kwargs)
@@ -26,7 +27,11 @@ class CardTrainer(Trainer):
             if getattr(self, "hub_model_id", None)
             else (self.args.hub_model_id or Path(self.args.output_dir).name)
         )
-        write_model_card(self.args.output_dir, self.model, model_id=model_id, metrics=self.card_metrics, **self.card)
+        fields = dict(self.card)
+        training = training_section(self, fields.pop("data_description"))
+        write_model_card(
+            self.args.output_dir, self.model, model_id=model_id, metrics=self.card_metrics, training=training, **fields
+        )
 
 
 def train_and_evaluate(trainer: CardTrainer, extra_metrics=None) -> dict:
@@ -42,7 +47,6 @@ def train_and_evaluate(trainer: CardTrainer, extra_metrics=None) -> dict:
     if do_train:
         trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     trainer.save_model()
-    trainer.save_state()
     metrics = {}
     if do_eval and trainer.eval_dataset is not None:
         metrics = trainer.evaluate()
@@ -50,6 +54,7 @@ def train_and_evaluate(trainer: CardTrainer, extra_metrics=None) -> dict:
             metrics.update(extra_metrics(metrics))
         trainer.log_metrics("eval", metrics)
         trainer.save_metrics("eval", metrics)
+    trainer.save_state()  # after the evaluation, so that trainer_state.json records it as the card does
     trainer.card_metrics = {
         k: v for k, v in metrics.items() if k.startswith("eval_") and "runtime" not in k and "per_second" not in k
     }
