@@ -10,13 +10,13 @@ import time
 from pathlib import Path
 
 import pytest
-import run_glue
-import run_image_classification
 import torch
-import train_tokenizer
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoModelForMaskedLM, AutoTokenizer
 
+from lrpe_hf.training import glue as run_glue
+from lrpe_hf.training import image_classification as run_image_classification
+from lrpe_hf.training import tokenizer as train_tokenizer
 from lrpe_hf.training.language_modeling import main as run_language_modeling
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -248,7 +248,9 @@ def test_image_classification_on_fashion_mnist(workspace):
         ]
     )
     assert 0.0 <= metrics["eval_accuracy"] <= 1.0
-    assert json.loads((out / "preprocessor_config.json").read_text())["image_processor_type"] == "ViTImageProcessor"
+    assert json.loads((out / "preprocessor_config.json").read_text())["image_processor_type"].startswith(
+        "ViTImageProcessor"
+    )
     config = json.loads((out / "config.json").read_text())
     assert "ankle_boot" in config["id2label"].values()
 

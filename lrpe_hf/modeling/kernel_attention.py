@@ -86,7 +86,7 @@ class KernelAttention(nn.Module):
                 return out[..., :-1] / (out[..., -1:] + self.eps)
             if self.normalization == "unrotated_denominator":
                 return out / (self.unrotated_denominator(features.query, features.key, gates, state, starts) + self.eps)
-            return self.output_norm(out)
+            return self.output_norm(out.to(self.output_norm.weight.dtype)).to(out.dtype)  # fused kernel under autocast
         # Stabilised features: eps on the unstabilised scale. A row whose every term underflowed (logits spread
         # over ~80 or more in float32) has no precision left: its output is 0 instead of noise or NaN.
         eps = self.eps * torch.exp(-features.log_scale).to(out.dtype)

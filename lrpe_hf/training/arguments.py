@@ -15,6 +15,8 @@ from ..modeling.registry import FEATURE_MAPS, POSITIONAL_ENCODINGS
 class ModelArguments:
     """Start from a checkpoint (``model_name_or_path``) or build a new model from a config file and/or fields."""
 
+    _argument_group_name = "model: start from a checkpoint, or build a new model from these fields"
+
     model_name_or_path: str | None = field(default=None, metadata={"help": "checkpoint folder or Hub name"})
     config_file: str | None = field(default=None, metadata={"help": "a config.json to build a new model from"})
     tokenizer_name: str | None = field(default=None, metadata={"help": "tokenizer folder or Hub name"})
@@ -24,15 +26,19 @@ class ModelArguments:
     feature_map: str | None = field(default=None, metadata={"help": f"one of {', '.join(FEATURE_MAPS)}"})
     absolute_position_embedding: str | None = field(default=None, metadata={"help": "none, sinusoidal or learned"})
     attention: str | None = field(default=None, metadata={"help": "linear or softmax"})
-    hidden_size: int | None = None
-    num_hidden_layers: int | None = None
-    num_attention_heads: int | None = None
-    intermediate_size: int | None = None
-    max_position_embeddings: int | None = None
+    hidden_size: int | None = field(default=None, metadata={"help": "model width (new models)"})
+    num_hidden_layers: int | None = field(default=None, metadata={"help": "number of layers (new models)"})
+    num_attention_heads: int | None = field(default=None, metadata={"help": "attention heads (new models)"})
+    intermediate_size: int | None = field(default=None, metadata={"help": "MLP width (new models)"})
+    max_position_embeddings: int | None = field(
+        default=None, metadata={"help": "table size of learned absolute embeddings and FastRPB's longest span"}
+    )
     config_overrides: str | None = field(
         default=None, metadata={"help": "JSON of further config fields, e.g. '{\"permute_decay\": 0.95}'"}
     )
-    trust_remote_code: bool = False
+    trust_remote_code: bool = field(
+        default=False, metadata={"help": "load a checkpoint's own model code (not needed with lrpe_hf installed)"}
+    )
     lora_r: int = field(default=0, metadata={"help": "LoRA rank; 0 (default) trains every weight"})
     lora_alpha: float = field(default=16.0, metadata={"help": "LoRA scaling alpha (the update is scaled by alpha/r)"})
     lora_dropout: float = field(default=0.0, metadata={"help": "dropout on the LoRA branch"})

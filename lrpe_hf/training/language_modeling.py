@@ -44,11 +44,13 @@ KINDS = {
 
 @dataclass
 class LanguageModelingDataArguments:
+    _argument_group_name = "data: text files or a Hub data set, and how documents become examples"
+
     train_file: str | None = field(default=None, metadata={"help": "text (one document per line), csv or json"})
-    validation_file: str | None = None
+    validation_file: str | None = field(default=None, metadata={"help": "as the train file"})
     dataset_name: str | None = field(default=None, metadata={"help": "a Hub data set (online)"})
-    dataset_config: str | None = None
-    text_column: str = "text"
+    dataset_config: str | None = field(default=None, metadata={"help": "the Hub data set's configuration"})
+    text_column: str = field(default="text", metadata={"help": "the column holding the text (csv/json/Hub)"})
     block_size: int = field(
         default=128, metadata={"help": "tokens per training example (per document if not concatenated)"}
     )
@@ -60,9 +62,9 @@ class LanguageModelingDataArguments:
             "into one row without padding (DataCollatorWithFlattening; position_ids restart per document)"
         },
     )
-    mlm_probability: float = 0.15
-    max_train_samples: int | None = None
-    max_eval_samples: int | None = None
+    mlm_probability: float = field(default=0.15, metadata={"help": "masked LM: the share of tokens to predict"})
+    max_train_samples: int | None = field(default=None, metadata={"help": "use only the first N training examples"})
+    max_eval_samples: int | None = field(default=None, metadata={"help": "use only the first N evaluation examples"})
 
 
 def group_into_blocks(dataset, tokenizer, text_column: str, block_size: int):

@@ -1,0 +1,35 @@
+"""``python -m lrpe_hf``: the run scripts, from an installed package. ``python -m lrpe_hf <script> --help`` shows a
+script's options; ``python run_scripts/<script>.py`` in a source checkout runs the same code."""
+
+import sys
+
+from .training import glue, image_classification, language_modeling, tokenizer
+
+SCRIPTS = {
+    "train_tokenizer": ("train a byte-level BPE tokenizer on text files", tokenizer.main),
+    "run_mlm": ("pretrain LinearRoberta with masked language modelling", lambda: language_modeling.main("mlm")),
+    "run_clm": ("train LinearGPT as a causal language model", lambda: language_modeling.main("clm")),
+    "run_glue": ("fine-tune for sequence classification (GLUE or csv/json)", glue.main),
+    "run_image_classification": ("train LinearViT on an image folder", image_classification.main),
+}
+
+
+def usage() -> str:
+    lines = ["usage: python -m lrpe_hf <script> [options]   (python -m lrpe_hf <script> --help for its options)", ""]
+    lines += ["scripts:"] + [f"  {name:<26}{about}" for name, (about, _) in SCRIPTS.items()]
+    return "\n".join(lines)
+
+
+def main():
+    if len(sys.argv) < 2 or sys.argv[1] in ("-h", "--help"):
+        print(usage())
+        return
+    name = sys.argv[1]
+    if name not in SCRIPTS:
+        sys.exit(f"unknown script {name!r}\n\n{usage()}")
+    sys.argv = [f"python -m lrpe_hf {name}", *sys.argv[2:]]
+    SCRIPTS[name][1]()
+
+
+if __name__ == "__main__":
+    main()

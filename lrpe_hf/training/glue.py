@@ -1,0 +1,173 @@
+"""Fine-tune a LinearRoberta (or LinearGPT) checkpoint on a GLUE task or on your own csv/json files.
+
+    # the embedded single-sentence task (3 classes)
+    python run_scripts/run_glue.py --model_name_or_path out/mlm --train_file data/tweet_sentiment/train.csv \
+        --validation_file data/tweet_sentiment/validation.csv --output_dir out/tweets --num_train_epochs 1
+    # the embedded sentence-pair task
+    python run_scripts/run_glue.py --model_name_or_path out/mlm --train_file data/wikipedia_topic_pairs/train.csv \
+        --validation_file data/wikipedia_topic_pairs/validation.csv --output_dir out/pairs
+    # a GLUE task (downloads the data set, so online only); the metric is computed locally
+    python run_scripts/run_glue.py --model_name_or_path out/mlm --task_name mrpc --output_dir out/mrpc
+
+Local files: one text column (``sentence``, ``text``) or two (``sentence1``/``sentence2``, or name them with
+--sentence1_key/--sentence2_key) and a ``label`` column: strings or integers for classification, floats for
+regression.
+"""
+
+from dataclasses import dataclass, field
+
+import numpy as np
+from datasets import DatasetDict
+from transformers import (
+    AutoModelForSequenceClassification,
+    DataCollatorWithPadding,
+    HfArgumentParser,
+    TrainingArguments,
+)
+
+from .. import LinearRobertaConfig, LinearRobertaForSequenceClassification
+from .arguments import ModelArguments, build_config, parse_script_arguments
+from .data import check_columns, load_files_or_hub, load_tokenizer, select_samples
+from .lora import apply_lora
+from .metrics import GLUE_TASKS, load_glue_metric
+from .trainer import CardTrainer, train_and_evaluate
+
+TASK_KEYS = {
+    "cola": ("sentence", None),
+    "sst2": ("sentence", None),
+    "mrpc": ("sentence1", "sentence2"),
+    "qqp": ("question1", "question2"),
+    "stsb": ("sentence1", "sentence2"),
+    "mnli": ("premise", "hypothesis"),
+    "qnli": ("question", "sentence"),
+    "rte": ("sentence1", "sentence2"),
+    "wnli": ("sentence1", "sentence2"),
+}
+
+
+@dataclass
+class GlueDataArguments:
+    _argument_group_name = "data: a GLUE task (online) or your own csv/json files"
+
+    task_name: str | None = field(default=None, metadata={"help": f"a GLUE task: {', '.join(GLUE_TASKS)}"})
+    train_file: str | None = field(default=None, metadata={"help": "csv or json with the text column(s) and labels"})
+    validation_file: str | None = field(default=None, metadata={"help": "csv or json, as the train file"})
+    sentence1_key: str | None = field(default=None, metadata={"help": "first text column (default: guessed)"})
+    sentence2_key: str | None = field(default=None, metadata={"help": "second text column, for sentence pairs"})
+    label_column: str = field(default="label", metadata={"help": "labels: strings or integers; floats = regression"})
+    max_seq_length: int = field(default=128, metadata={"help": "longer inputs are truncated to this many tokens"})
+    max_train_samples: int | None = field(default=None, metadata={"help": "use only the first N training examples"})
+    max_eval_samples: int | None = field(default=None, metadata={"help": "use only the first N evaluation examples"})
+
+
+def text_columns(args: GlueDataArguments, columns: list[str]) -> tuple[str, str | None]:
+    if args.task_name:
+        return TASK_KEYS[args.task_name]
+    if args.sentence1_key:
+        return args.sentence1_key, args.sentence2_key
+    if "sentence1" in columns and "sentence2" in columns:
+        return "sentence1", "sentence2"
+    for name in ("sentence", "text"):
+        if name in columns:
+            return name, None
+    raise ValueError(
+        f"Cannot tell the text columns among {columns}: name them with --sentence1_key (and --sentence2_key for pairs)"
+    )
+
+
+def main(args=None):
+    parser = HfArgumentParser((ModelArguments, GlueDataArguments, TrainingArguments))
+    model_args, data_args, training_args = parse_script_arguments(parser, args)
+
+    if data_args.task_name is not None:
+        data_args.task_name = data_args.task_name.lower()
+        if data_args.task_name not in TASK_KEYS:
+            raise ValueError(f"Unknown --task_name {data_args.task_name!r}; GLUE tasks: {', '.join(GLUE_TASKS)}")
+        dataset = load_files_or_hub("nyu-mll/glue", data_args.task_name)
+        if data_args.task_name == "mnli":
+            dataset["validation"] = dataset["validation_matched"]
+        dataset = DatasetDict({split: dataset[split] for split in ("train", "validation")})  # GLUE tests are unlabelled
+    else:
+        dataset = load_files_or_hub(train_file=data_args.train_file, validation_file=data_args.validation_file)
+    key1, key2 = text_columns(data_args, dataset["train"].column_names)
+    check_columns(dataset, [c for c in (key1, key2, data_args.label_column) if c])
+
+    label_feature = dataset["train"].features[data_args.label_column]
+    is_regression = data_args.task_name == "stsb" or label_feature.dtype in ("float32", "float64")
+    if is_regression:
+        label_names, num_labels = None, 1
+    elif hasattr(label_feature, "names"):
+        label_names = label_feature.names
+        num_labels = len(label_names)
+    else:
+        label_names = sorted(set(dataset["train"][data_args.label_column]))
+        num_labels = len(label_names)
+        if num_labels < 2:
+            raise ValueError(f"The label column {data_args.label_column!r} has a single value: nothing to classify")
+
+    tokenizer = load_tokenizer(model_args, ["pad_token"], "batching sentences of different lengths")
+    label_fields = {"num_labels": num_labels}
+    if label_names:
+        label_fields.update(
+            id2label={i: str(n) for i, n in enumerate(label_names)},
+            label2id={str(n): i for i, n in enumerate(label_names)},
+        )
+    if is_regression:
+        label_fields["problem_type"] = "regression"
+    if model_args.model_name_or_path:
+        model = AutoModelForSequenceClassification.from_pretrained(
+            model_args.model_name_or_path, trust_remote_code=model_args.trust_remote_code, **label_fields
+        )
+    else:
+        config = build_config(
+            model_args,
+            LinearRobertaConfig,
+            vocab_size=len(tokenizer),
+            pad_token_id=tokenizer.pad_token_id,
+            **label_fields,
+        )
+        model = LinearRobertaForSequenceClassification(config)
+    model = apply_lora(model, model_args, "sequence_classification")
+
+    label_to_id = (
+        None if is_regression or hasattr(label_feature, "names") else {n: i for i, n in enumerate(label_names)}
+    )
+
+    def preprocess(batch):
+        texts = (batch[key1],) if key2 is None else (batch[key1], batch[key2])
+        encoded = tokenizer(*texts, truncation=True, max_length=data_args.max_seq_length)
+        labels = batch[data_args.label_column]
+        encoded["labels"] = [label_to_id[label] for label in labels] if label_to_id else labels
+        return encoded
+
+    with training_args.main_process_first(desc="tokenizing"):
+        encoded = dataset.map(preprocess, batched=True, remove_columns=dataset["train"].column_names, desc="Tokenizing")
+    train = select_samples(encoded["train"], data_args.max_train_samples)
+    evaluation = select_samples(encoded.get("validation"), data_args.max_eval_samples)
+
+    metric = load_glue_metric(data_args.task_name or ("regression" if is_regression else None))
+
+    def compute_metrics(prediction):
+        logits = prediction.predictions
+        predictions = np.squeeze(logits) if is_regression else np.argmax(logits, axis=-1)
+        return metric.compute(predictions=predictions, references=prediction.label_ids)
+
+    source = f"GLUE {data_args.task_name}" if data_args.task_name else data_args.train_file
+    card = dict(
+        task_description=f"fine-tuned for sequence classification on {source}",
+        auto_class="AutoModelForSequenceClassification",
+        datasets=["nyu-mll/glue"] if data_args.task_name else [],
+        pipeline_tag="text-classification",
+        data_description=f"Sequences of at most {data_args.max_seq_length} tokens.",
+    )
+    trainer = CardTrainer(
+        model=model,
+        args=training_args,
+        train_dataset=train,
+        eval_dataset=evaluation,
+        data_collator=DataCollatorWithPadding(tokenizer),
+        processing_class=tokenizer,
+        compute_metrics=compute_metrics,
+        card=card,
+    )
+    return train_and_evaluate(trainer)
