@@ -179,7 +179,8 @@ class PerformerFeatureMap(ExponentialFeatureMap):
             raise ValueError(f"performer_features must be a positive integer, got {num_features}")
         self.num_features = num_features or input_dim
         self.redraw_in_training, self.seed = redraw, seed
-        self.register_initial_values()
+        # redrawn features are part of the trained model: save them; the seeded first draw follows from the config
+        self.register_initial_values(persistent=("projection",) if redraw else ())
 
     def initial_values(self):
         """The first projection, drawn from ``seed``; redraws in training use torch's global generator."""

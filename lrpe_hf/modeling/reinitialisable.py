@@ -6,6 +6,9 @@ on every module; for these modules that calls ``reset_parameters``, which writes
 ``initial_values()`` in place and leaves alone what a checkpoint already loaded (``transformers.initialization``
 checks each tensor's ``_is_hf_initialized`` flag). Random tables that are buffers draw from a seeded generator,
 so that they are re-created identically.
+
+Buffers are not saved in checkpoints unless a module says so (``persistent``): they follow from the config, and
+sharded loading (accelerate's FSDP2 ``cpu_ram_efficient_loading``) only handles sharded tensors in a state dict.
 """
 
 import torch
@@ -19,15 +22,15 @@ class Reinitialisable(nn.Module):
     def initial_values(self) -> dict[str, torch.Tensor]:
         return {}
 
-    def register_initial_values(self, trainable: dict[str, bool] | None = None):
+    def register_initial_values(self, trainable: dict[str, bool] | None = None, persistent: tuple[str, ...] = ()):
         """Register every initial value: as a parameter when ``trainable`` names it (with that requires_grad),
-        else as a buffer."""
+        else as a buffer, saved with the model only when ``persistent`` names it."""
         trainable = trainable or {}
         for name, value in self.initial_values().items():
             if name in trainable:
                 setattr(self, name, nn.Parameter(value, requires_grad=trainable[name]))
             else:
-                self.register_buffer(name, value)
+                self.register_buffer(name, value, persistent=name in persistent)
 
     @torch.no_grad()
     def reset_parameters(self):

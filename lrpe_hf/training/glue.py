@@ -75,8 +75,12 @@ def text_columns(args: GlueDataArguments, columns: list[str]) -> tuple[str, str 
     )
 
 
+def argument_parser() -> HfArgumentParser:
+    return HfArgumentParser((ModelArguments, GlueDataArguments, TrainingArguments))
+
+
 def main(args=None):
-    parser = HfArgumentParser((ModelArguments, GlueDataArguments, TrainingArguments))
+    parser = argument_parser()
     model_args, data_args, training_args = parse_script_arguments(parser, args)
 
     if data_args.task_name is not None:

@@ -55,8 +55,12 @@ def new_image_processor(**settings):
     return ViTImageProcessorPil(**settings)
 
 
+def argument_parser() -> HfArgumentParser:
+    return HfArgumentParser((ModelArguments, ImageDataArguments, TrainingArguments))
+
+
 def main(args=None):
-    parser = HfArgumentParser((ModelArguments, ImageDataArguments, TrainingArguments))
+    parser = argument_parser()
     model_args, data_args, training_args = parse_script_arguments(parser, args)
     training_args.remove_unused_columns = False  # the transform needs the raw image column
 

@@ -121,10 +121,14 @@ def build_collator(kind: str, layout: str, tokenizer, mlm_probability: float):
     return DataCollatorForLanguageModeling(tokenizer, mlm=kind == "mlm", mlm_probability=mlm_probability)
 
 
+def argument_parser() -> HfArgumentParser:
+    return HfArgumentParser((ModelArguments, LanguageModelingDataArguments, TrainingArguments))
+
+
 def main(kind: str, args=None):
     """Masked ("mlm") or causal ("clm") language-model training."""
     spec = KINDS[kind]
-    parser = HfArgumentParser((ModelArguments, LanguageModelingDataArguments, TrainingArguments))
+    parser = argument_parser()
     model_args, data_args, training_args = parse_script_arguments(parser, args)
     if data_args.document_layout not in LAYOUTS:
         raise ValueError(f"Unknown --document_layout {data_args.document_layout!r}; valid values: {', '.join(LAYOUTS)}")

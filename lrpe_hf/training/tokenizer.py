@@ -80,7 +80,11 @@ def train_tokenizer(args: TokenizerArguments) -> PreTrainedTokenizerFast:
     return tokenizer
 
 
+def argument_parser() -> HfArgumentParser:
+    return HfArgumentParser(TokenizerArguments)
+
+
 def main():
-    (args,) = HfArgumentParser(TokenizerArguments).parse_args_into_dataclasses()
+    (args,) = argument_parser().parse_args_into_dataclasses()
     tokenizer = train_tokenizer(args)
     print(f"Saved a {len(tokenizer)}-token byte-level BPE tokenizer to {args.output_dir}")
