@@ -1,0 +1,235 @@
+"""FSDP2 training on two CPU processes (gloo) equals single-process training with the same global batch.
+
+Two processes with per-device batch 2 against one process with batch 4: the same seed, dropout 0, AdamW at a
+learning rate of 1e-2 for 4 steps (gradient clipping at norm 1 acts on the first step), LinearGPT with SPE
+(``spe_sine``: one noise draw per step, shared by every layer) and tied input/output embeddings. The runs go
+through tests/distributed_clm.py (run_clm.py plus a per-process record of every step, and the switch that lets
+accelerate's FSDP run on CPU: see there).
+
+Why the two could differ, and what holds them together:
+- data: accelerate gives each process alternate per-device batches of one sampler (the same seeded
+  permutation on every process), so the rows of rank 0 then rank 1 at a step are the single run's batch;
+  checked from the records.
+- loss: CLM blocks all have ``block_size`` tokens and no padding, so the mean over 4 rows equals the mean of
+  the two processes' means over 2 rows; the logged losses and gradient norms are compared too.
+- RNG: dropout is 0; SPE's training draws come from torch's global RNG, seeded alike on every process and
+  consumed alike (the sampler's seed, then one draw per step), so both processes draw the single run's codes;
+  checked from the records (RNG state and draw fingerprints).
+- arithmetic: the global batch's gradient is summed in another order (per process, then across processes)
+  and AdamW divides it by its own running RMS, so an update carries the gradient's relative rounding error:
+  see the tolerances below.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoTokenizer
+
+from lrpe_hf import LinearGPTConfig, LinearGPTForCausalLM
+from lrpe_hf.training import tokenizer as train_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow  # each comparison launches two processes, then one
+
+if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
+    pytest.skip("needs torch.distributed with the gloo backend", allow_module_level=True)
+
+SIZES = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
+OVERRIDES = {"hidden_dropout_prob": 0.0, "spe_realizations": 8}
+STEPS = 4
+FSDP = [
+    "--use_fsdp",
+    "--fsdp_version",
+    "2",
+    "--fsdp_auto_wrap_policy",
+    "TRANSFORMER_BASED_WRAP",
+    "--fsdp_transformer_layer_cls_to_wrap",
+    "LinearTransformerLayer",
+    "--fsdp_state_dict_type",
+    "FULL_STATE_DICT",
+    "--fsdp_reshard_after_forward",
+    "true",
+]
+# float64: rounding errors of ~1e-16, amplified as in float32 (below), stay far under 1e-12 (measured: 4e-15).
+FLOAT64_ATOL = 1e-12
+# float32: measured 3e-6 to 5e-6. Each run rounds the global batch's gradient in its own order (relative error
+# ~1e-7, more for entries that are near-cancelling sums), and AdamW's update lr * m / (sqrt(v) + eps) carries
+# the gradient's relative error, not its absolute one; 4 steps at lr 1e-2 and the forward passes in between
+# compound it. The float64 comparison of the same pipeline shows that this gap is rounding. A real mismatch
+# moves weights by about lr = 1e-2 or more (training moves them by 2.5e-2; a rank whose weights did not come
+# from rank 0 ends 4.3 away; a batch of 2 instead of 4 ends 5e-2 away), two orders above this tolerance.
+FLOAT32_ATOL = 1e-4
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(command, env_extra):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **env_extra}
+    result = subprocess.run([str(c) for c in command], capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+
+
+def train_pair(workspace: Path, out: Path, model_arguments, fsdp_extra, env_extra):
+    """The same training under FSDP on two processes (per-device batch 2) and on one process (batch 4)."""
+    common = ["--tokenizer_name", workspace / "tokenizer", "--train_file", workspace / "train.txt"]
+    common += [*model_arguments, "--block_size", "64", "--max_steps", STEPS, "--learning_rate", "1e-2"]
+    common += ["--do_train", "--logging_steps", "1", "--report_to", "none", "--disable_tqdm", "true"]
+    common += ["--save_strategy", "no", "--seed", "0", "--use_cpu"]
+    script = ROOT / "tests/distributed_clm.py"
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--num_machines", "1"]
+    launch += ["--main_process_port", free_port(), "--mixed_precision", "no", "--dynamo_backend", "no"]
+    sharded, single = out / "fsdp", out / "single"
+    fsdp_run = [*launch, *FSDP, *fsdp_extra, script, *common, "--per_device_train_batch_size", "2"]
+    run([*fsdp_run, "--output_dir", sharded], env_extra)
+    run([sys.executable, script, *common, "--per_device_train_batch_size", "4", "--output_dir", single], env_extra)
+    return sharded, single
+
+
+def records(folder: Path, world_size: int):
+    found = [json.loads((folder / f"record-rank{rank}.json").read_text()) for rank in range(world_size)]
+    assert [r["world_size"] for r in found] == [world_size] * world_size
+    assert all(len(r["steps"]) == STEPS for r in found)
+    return found
+
+
+def max_difference(a: dict, b: dict, names) -> float:
+    return max((a[name].double() - b[name].double()).abs().max().item() for name in names)
+
+
+def assert_same_training_log(sharded: Path, single: Path, grad_norm_rel: float):
+    """The logged loss of every step, and the gradient norm before clipping (which would show a gradient
+    scaled by the number of processes, to which AdamW's update is blind). Transformers' ForCausalLMLoss
+    computes the cross-entropy in float32 (``logits.float()``) whatever the model's dtype, so the logged mean
+    is a float32 sum taken in another order: 1e-6. (Its gradient is per token, and not affected.)"""
+    logs = [json.loads((folder / "trainer_state.json").read_text())["log_history"] for folder in (sharded, single)]
+    steps = [[entry for entry in log if "loss" in entry] for log in logs]
+    assert len(steps[0]) == len(steps[1]) == STEPS
+    for ours, theirs in zip(*steps):
+        assert ours["loss"] == pytest.approx(theirs["loss"], rel=1e-6)
+        assert ours["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=grad_norm_rel)
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    """A small corpus cut from the embedded Wikipedia leads and a tokenizer trained on it."""
+    folder = tmp_path_factory.mktemp("distributed")
+    lines = (ROOT / "data/wikipedia_leads/train.txt").read_text(encoding="utf-8").splitlines()
+    (folder / "train.txt").write_text("\n".join(lines[:300]) + "\n", encoding="utf-8")
+    args = train_tokenizer.TokenizerArguments(
+        output_dir=str(folder / "tokenizer"), train_files=[str(folder / "train.txt")], vocab_size=600
+    )
+    train_tokenizer.train_tokenizer(args)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def from_scratch(workspace):
+    """A new spe_sine model in float64, built by every process from the seed, trained under FSDP and alone.
+    accelerate launch turns --fsdp_cpu_ram_efficient_loading on by default; off here, so that each process
+    shards the model it built itself (the meta-device path has its own test)."""
+    model = ["--positional_encoding", "spe_sine", "--config_overrides", json.dumps(OVERRIDES)]
+    for name, value in SIZES.items():
+        model += [f"--{name}", value]
+    no_meta = ["--fsdp_cpu_ram_efficient_loading", "false", "--fsdp_sync_module_states", "false"]
+    return train_pair(workspace, workspace / "from_scratch", model, no_meta, {"DISTRIBUTED_CLM_DTYPE": "float64"})
+
+
+def test_fsdp_shards_every_parameter_during_training(from_scratch):
+    sharded, single = from_scratch
+    ranks = records(sharded, 2)
+    for step in range(STEPS):
+        parameters = [r["steps"][step]["parameters"] for r in ranks]
+        assert parameters[0].keys() == parameters[1].keys()
+        for name, first in parameters[0].items():
+            second = parameters[1][name]
+            assert first["dtensor"] and second["dtensor"], name
+            assert first["placements"] == second["placements"] == ["S(0)"], name
+            # the two local shards split dimension 0 of the full parameter between them
+            assert first["local_shape"][0] + second["local_shape"][0] == first["shape"][0], name
+            assert first["local_shape"][1:] == second["local_shape"][1:] == first["shape"][1:], name
+    embedding = ranks[0]["steps"][0]["parameters"]["model.embed_tokens.weight"]
+    assert embedding["local_shape"] == [300, 32] and embedding["shape"] == [600, 32]
+    alone = records(single, 1)[0]["steps"][0]["parameters"]
+    assert not any(p["dtensor"] for p in alone.values())
+    assert alone.keys() == ranks[0]["steps"][0]["parameters"].keys()  # lm_head is embed_tokens: listed once
+
+
+def test_both_processes_see_the_single_run_s_batches_and_spe_draws(from_scratch):
+    sharded, single = from_scratch
+    ranks, alone = records(sharded, 2), records(single, 1)[0]
+    for step in range(STEPS):
+        mine = [r["steps"][step] for r in ranks]
+        reference = alone["steps"][step]
+        assert mine[0]["rows"] + mine[1]["rows"] == reference["rows"], f"data order differs at step {step + 1}"
+        assert mine[0]["rng"] == mine[1]["rng"] == reference["rng"], f"RNG state differs at step {step + 1}"
+        assert len(reference["spe_draws"]) == 2  # the sine codes and the gates' noise, once per step
+        assert mine[0]["spe_draws"] == mine[1]["spe_draws"] == reference["spe_draws"]
+    assert len({step["spe_draws"][0] for step in alone["steps"]}) == STEPS  # a fresh draw at every step
+
+
+def test_fsdp_training_equals_single_process_training_float64(from_scratch):
+    sharded, single = from_scratch
+    assert_same_training_log(sharded, single, grad_norm_rel=1e-12)
+    ours, theirs = load_file(sharded / "model.safetensors"), load_file(single / "model.safetensors")
+    assert ours["model.norm.weight"].dtype == torch.float64
+    # The full state dict gathered from FSDP also holds lm_head.weight, which save_pretrained leaves out of a
+    # single process's tied model; every other entry is common.
+    assert set(theirs) <= set(ours) <= set(theirs) | {"lm_head.weight"}
+    assert max_difference(ours, theirs, theirs) < FLOAT64_ATOL
+
+
+def test_tied_embeddings_stay_tied_through_fsdp_and_its_checkpoint(from_scratch):
+    sharded, single = from_scratch
+    saved = load_file(sharded / "model.safetensors")
+    if "lm_head.weight" in saved:
+        assert torch.equal(saved["lm_head.weight"], saved["model.embed_tokens.weight"])
+    model = LinearGPTForCausalLM.from_pretrained(sharded)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    reference = LinearGPTForCausalLM.from_pretrained(single)
+    assert (model.lm_head.weight - reference.lm_head.weight).abs().max().item() < FLOAT64_ATOL
+
+
+def test_meta_device_loading_under_fsdp_trains_to_the_single_process_weights_float32(workspace):
+    """From a checkpoint with --fsdp_cpu_ram_efficient_loading (accelerate launch's default): accelerate moves
+    the model to the meta device, shards it there and fills the shards from rank 0's weights by broadcast.
+    Rank 1's own weights are scrambled first, so agreement shows that rank 0's weights reached it (without
+    that path, the same scrambled run ends 4.3 away). float32, the dtype runs train in. With lrpe_orthogonal,
+    the default encoding, whose tables are buffers: they are not in the state dict (accelerate 1.15's
+    fsdp2_load_full_state_dict handles only sharded entries; accelerate issue #3898) and each process re-creates
+    them from the config."""
+    out = workspace / "from_checkpoint"
+    tokenizer = AutoTokenizer.from_pretrained(workspace / "tokenizer")
+    special = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    config = LinearGPTConfig(
+        vocab_size=len(tokenizer), positional_encoding="lrpe_orthogonal", pad_token_id=tokenizer.pad_token_id,
+        **special, **SIZES, **OVERRIDES
+    )  # fmt: skip
+    torch.manual_seed(1)
+    LinearGPTForCausalLM(config).save_pretrained(out / "checkpoint")
+    sharded, single = train_pair(
+        workspace,
+        out,
+        ["--model_name_or_path", out / "checkpoint"],
+        ["--fsdp_cpu_ram_efficient_loading", "true", "--fsdp_sync_module_states", "true"],
+        {"DISTRIBUTED_CLM_SCRAMBLE_OTHER_RANKS": "1"},
+    )
+    ranks = records(sharded, 2)
+    assert [r["scrambled"] for r in ranks] == [False, True]
+    assert all(p["dtensor"] for r in ranks for p in r["steps"][-1]["parameters"].values())
+    assert_same_training_log(sharded, single, grad_norm_rel=1e-5)
+    ours, theirs = load_file(sharded / "model.safetensors"), load_file(single / "model.safetensors")
+    assert ours["model.norm.weight"].dtype == torch.float32
+    assert max_difference(ours, theirs, theirs) < FLOAT32_ATOL
+    start = load_file(out / "checkpoint" / "model.safetensors")
+    assert max_difference(theirs, start, theirs) > 100 * FLOAT32_ATOL  # training moved the weights
