@@ -26,6 +26,7 @@ is a deterministic function of ``seed`` and of the positions, so inference is re
 decoding sees the same codes as a full forward.
 """
 
+import copy
 import itertools
 import math
 import zlib
@@ -49,7 +50,12 @@ def seeded_normal(seed: int, key: tuple, shape: tuple) -> torch.Tensor:
 
 
 class SPEDraw:
-    """One draw of the SPE noise for one forward pass; every layer that uses it sees the same codes."""
+    """One draw of the SPE noise for one forward pass; every layer that uses it sees the same codes.
+
+    The position tables built from the shared kernels (``cached``) carry gradients to them. ``tables()`` lists
+    them and ``with_tables()`` swaps them, so that a model can hand them to each layer as explicit tensor
+    inputs: reentrant gradient checkpointing then routes each layer's gradient into the shared graph once.
+    """
 
     GRID_BLOCK = {1: 256, 2: 16}
 
@@ -58,6 +64,20 @@ class SPEDraw:
         self.device = device
         self.seeded = not codes.training
         self._tensors = {}
+        self._tables = {}
+
+    def tables(self) -> list[torch.Tensor]:
+        """The position tables built so far, in a fixed order."""
+        return [value for name in sorted(self._tables) for _, value in self._tables[name]]
+
+    def with_tables(self, tables) -> "SPEDraw":
+        """A view of this draw whose position tables are ``tables`` (as ``tables()`` lists them)."""
+        view = copy.copy(self)
+        remaining = iter(tables)
+        view._tables = {
+            name: [(rows, next(remaining)) for rows, _ in self._tables[name]] for name in sorted(self._tables)
+        }
+        return view
 
     def tensor(self, name: str, shape: tuple) -> torch.Tensor:
         """A named position-independent noise tensor of the given shape."""
@@ -73,11 +93,11 @@ class SPEDraw:
     def cached(self, name: str, positions: torch.Tensor, build):
         """``build()`` evaluated once per distinct positions tensor; identical batch rows are built once."""
         rows = positions[:1] if bool((positions == positions[:1]).all()) else positions
-        for cached_rows, value in self._tensors.get(name, []):
+        for cached_rows, value in self._tables.get(name, []):
             if cached_rows.shape == rows.shape and torch.equal(cached_rows, rows):
                 return value
         value = build(rows)
-        self._tensors.setdefault(name, []).append((rows, value))
+        self._tables.setdefault(name, []).append((rows, value))
         return value
 
     def grid(self, start: tuple, stop: tuple, channels: tuple) -> torch.Tensor:

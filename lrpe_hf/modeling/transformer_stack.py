@@ -41,6 +41,9 @@ class LinearTransformerStack(nn.Module):
             shared_draw = self.shared_codes.draw(hidden_states.device)
             positions = position_ids[..., None] if position_ids.dim() == 2 else position_ids
             self.shared_codes.prepare(shared_draw, positions.expand(hidden_states.shape[0], -1, -1).long())
+        # The shared tables go to every layer as positional tensors too, so that gradient checkpointing (reentrant
+        # included) sees them as inputs of each layer.
+        shared_tables = shared_draw.tables() if shared_draw is not None and hasattr(shared_draw, "tables") else []
         all_hidden_states = [] if output_hidden_states else None
         for index, layer in enumerate(self.layers):
             if output_hidden_states:
@@ -48,6 +51,7 @@ class LinearTransformerStack(nn.Module):
             state = cache.states[index] if cache is not None else None
             hidden_states = layer(
                 hidden_states,
+                *shared_tables,
                 attention_mask=attention_mask,
                 position_ids=position_ids,
                 state=state,
