@@ -18,16 +18,13 @@ RUN_SLOW...), with their reasons.
 import copy
 import sys
 import unittest
-from pathlib import Path
 from unittest import mock
 
+import fetch_transformers_harness as harness  # noqa: E402  (tests/ is on pytest's pythonpath)
 import pytest
 import torch
 
 import lrpe_hf
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import fetch_transformers_harness as harness  # noqa: E402
 
 pytestmark = pytest.mark.slow  # about a minute on 2 cores: 700 tests over three families and four encodings
 
