@@ -19,13 +19,12 @@ so calling it token by token gives the same outputs as one call over the whole s
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from .attention_options import AttentionOptions
 from .attention_state import ValueHistory
 from .kernel_attention import KernelAttention
 from .positional_encoding import NoPositionalEncoding
-from .positions import check_position_ids, default_position_ids, mask_as_bool
+from .positions import check_position_ids, default_position_ids, mask_as_bool, packed_documents
 from .registry import build_positional_encoding, positional_encoding_entry
 from .softmax_attention import SoftmaxAttention
 
@@ -105,33 +104,15 @@ class LinearAttention(nn.Module):
         past = state.num_tokens if state is not None and state.num_tokens is not None else 0
         return default_position_ids(mask, batch_size, num_tokens, device, past)[..., None]
 
-    def documents(self, positions, mask, state):
-        """(starts, documents): the tokens that start a new document (B, N) bool, None if none does, and every
-        token's document (B, N), counted across calls, None for an unpacked row without a state."""
-        if self.options.position_dims != 1:
-            return None, None
-        B, N = positions.shape[:2]
-        p = positions[..., 0]
-        real = mask if mask is not None else torch.ones_like(p, dtype=torch.bool)
-        index = torch.arange(N, device=p.device).expand(B, N).masked_fill(~real, -1)
-        previous_index = F.pad(index.cummax(-1).values, (1, 0), value=-1)[:, :-1]  # the previous real token
-        previous = p.gather(-1, previous_index.clamp_min(0))
-        has_previous = previous_index >= 0
-        if state is not None and state.num_tokens is not None:
-            previous = torch.where(has_previous, previous, state.last_position[:, None])
-            has_previous = has_previous | (state.num_tokens[:, None] > 0)
-        starts = real & has_previous & (p <= previous)
-        any_start = bool(starts.any())
-        if state is None:
-            return (starts, starts.long().cumsum(-1)) if any_start else (None, None)
-        base = state.document if state.document is not None else torch.zeros_like(p[:, 0])
-        return (starts if any_start else None), base[:, None] + starts.long().cumsum(-1)
-
     def split_heads(self, x):
         B, N, _ = x.shape
         return x.view(B, N, self.num_heads, self.head_dim).transpose(1, 2)
 
-    def forward(self, hidden_states, attention_mask=None, position_ids=None, state=None, shared_draw=None):
+    def forward(
+        self, hidden_states, attention_mask=None, position_ids=None, state=None, shared_draw=None, documents=None
+    ):
+        """``documents``: ``packed_documents(...)`` of these inputs when the caller has it (a model computes it
+        once for all its layers)."""
         B, N, _ = hidden_states.shape
         mask = mask_as_bool(attention_mask, B, N)
         if state is not None and not self.options.causal:
@@ -146,7 +127,9 @@ class LinearAttention(nn.Module):
             v = v.masked_fill(~mask[:, None, :, None], 0.0)
         encoding = self.positional_encoding
         q, k = encoding.encode_query_key(q, k, positions, shared_draw)
-        starts, documents = self.documents(positions, mask, state)
+        if documents is None:
+            documents = packed_documents(positions, mask, state) if self.options.position_dims == 1 else (None, None)
+        starts, documents = documents
         path_state, last_position = None, None
         if state is not None:
             state.path = state.path if state.path is not None else self.attention.State()

@@ -1,6 +1,7 @@
 """Attention masks and default positions, the one place the models and the attention layer read them from."""
 
 import torch
+from torch.nn import functional as F
 
 
 def mask_as_bool(attention_mask, batch_size: int, num_tokens: int, past: int = 0) -> torch.Tensor | None:
@@ -45,3 +46,29 @@ def check_position_ids(position_ids, batch_size: int, num_tokens: int, position_
         expected = f"(batch, {num_tokens})" if position_dims == 1 else f"(batch, {num_tokens}, 2) with (row, col)"
         raise ValueError(f"position_ids must have shape {expected}; got {tuple(position_ids.shape)}")
     return positions.expand(batch_size, -1, -1).long()
+
+
+def packed_documents(positions, mask, state=None):
+    """The documents of packed rows (1D): a real token whose position is not greater than the previous real
+    token's (in this call, or the state's last one) starts a new document.
+
+    positions (B, N, 1); mask (B, N) bool or None; state: a ``LinearAttentionState`` or None. Returns (starts,
+    documents): the starting tokens (B, N) bool, None if none starts, and every token's document (B, N) counted
+    across calls, None for unpacked rows without a state.
+    """
+    B, N = positions.shape[:2]
+    p = positions[..., 0]
+    real = mask if mask is not None else torch.ones_like(p, dtype=torch.bool)
+    index = torch.arange(N, device=p.device).expand(B, N).masked_fill(~real, -1)
+    previous_index = F.pad(index.cummax(-1).values, (1, 0), value=-1)[:, :-1]  # the previous real token
+    previous = p.gather(-1, previous_index.clamp_min(0))
+    has_previous = previous_index >= 0
+    if state is not None and state.num_tokens is not None:
+        previous = torch.where(has_previous, previous, state.last_position[:, None])
+        has_previous = has_previous | (state.num_tokens[:, None] > 0)
+    starts = real & has_previous & (p <= previous)
+    any_start = bool(starts.any())
+    if state is None:
+        return (starts, starts.long().cumsum(-1)) if any_start else (None, None)
+    base = state.document if state.document is not None else torch.zeros_like(p[:, 0])
+    return (starts if any_start else None), base[:, None] + starts.long().cumsum(-1)

@@ -39,13 +39,26 @@ class LinearTransformerLayer(GradientCheckpointingLayer):
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
 
     def forward(
-        self, hidden_states, *shared_tables, attention_mask=None, position_ids=None, state=None, shared_draw=None
+        self,
+        hidden_states,
+        *shared_tables,
+        attention_mask=None,
+        position_ids=None,
+        state=None,
+        shared_draw=None,
+        documents=None,
     ):
         """hidden_states (B, N, hidden) -> (B, N, hidden). ``shared_tables``: the shared draw's tables, passed as
         tensors so that gradient checkpointing sees them (see ``SPEDraw.with_tables``)."""
         if shared_tables:
             shared_draw = shared_draw.with_tables(shared_tables)
-        attend = dict(attention_mask=attention_mask, position_ids=position_ids, state=state, shared_draw=shared_draw)
+        attend = dict(
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            state=state,
+            shared_draw=shared_draw,
+            documents=documents,
+        )
         if self.pre_norm:
             hidden_states = hidden_states + self.dropout(
                 self.self_attn(self.self_attn_layer_norm(hidden_states), **attend)

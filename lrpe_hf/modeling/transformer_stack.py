@@ -11,6 +11,7 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers import initialization as init
 
+from .positions import packed_documents
 from .registry import positional_encoding_entry
 from .reinitialisable import Reinitialisable
 from .transformer_layer import LinearTransformerLayer
@@ -44,6 +45,11 @@ class LinearTransformerStack(nn.Module):
         # The shared tables go to every layer as positional tensors too, so that gradient checkpointing (reentrant
         # included) sees them as inputs of each layer.
         shared_tables = shared_draw.tables() if shared_draw is not None and hasattr(shared_draw, "tables") else []
+        documents = None  # packed rows: found once for every layer (they all see the same tokens and positions)
+        if position_ids.dim() == 2:
+            first_state = cache.states[0] if cache is not None else None
+            positions = position_ids.expand(hidden_states.shape[0], -1)[..., None]
+            documents = packed_documents(positions, attention_mask, first_state)
         all_hidden_states = [] if output_hidden_states else None
         for index, layer in enumerate(self.layers):
             if output_hidden_states:
@@ -56,6 +62,7 @@ class LinearTransformerStack(nn.Module):
                 position_ids=position_ids,
                 state=state,
                 shared_draw=shared_draw,
+                documents=documents,
             )
         return hidden_states, all_hidden_states
 
