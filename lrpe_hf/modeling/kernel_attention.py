@@ -7,9 +7,11 @@ Per head, with phi the feature map and A_s, B_t the encoding's transforms of the
 summed over every t (bidirectional) or t <= s (causal); w(s, t) = exp(log_decay (p_s - p_t)) for a decaying
 encoding (PermuteFormer), 1 otherwise. ``norm_s`` is one of three normalisations:
 
-- ``denominator``: sum_t w(s, t) <A_s phi(q_s), B_t phi(k_t)> + eps, folded into the product as a ones column;
+- ``denominator``: sum_t w(s, t) <A_s phi(q_s), B_t phi(k_t)> + eps (LRPE eq. 3, PermuteFormer eq. 11), folded into
+  the product as a ones column;
 - ``unrotated_denominator``: sum_t w(s, t) <phi(q_s), phi(k_t)> + eps (RoFormer eq. 19);
-- ``output_norm``: none; the output is normalised per head by an RMSNorm (the LRPE authors' choice).
+- ``output_norm``: no denominator; the output is normalised per head by an RMSNorm. (The LRPE authors' code also
+  drops the denominator, but normalises with one LayerNorm over all heads, after its own embedding scaling.)
 
 eps is defined on the unstabilised scale: where an exponential feature map divided every term of output s by
 exp(log_scale_s), eps is multiplied by exp(-log_scale_s) (and the RMSNorm's by its square).

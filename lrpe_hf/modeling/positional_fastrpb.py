@@ -1,11 +1,14 @@
-"""FastRPB: a learnable Toeplitz positional bias added to the attention output, Y = Attention(Q, K, V) + W V.
+"""FastRPB: a learnable Toeplitz positional bias added to the attention output, Y = Attention(Q, K, V) + W V
+(FastRPB eq. 10-12; the 2D form of section 3.2.2 and Appendix B.3).
 
-W[s, t] = w[p_s - p_t] per head, one weight per relative distance |p_s - p_t| < max_positions. W V is a
+W[s, t] = w[p_s - p_t] per head, one weight per relative distance |p_s - p_t| < max_positions (the paper indexes
+w by t - s: the same family of matrices with the weight vector mirrored). W V is a
 convolution of the values along positions, computed with the FFT in O(N log N) time and O(N) memory: the
 values are summed into one bin per position (so any integer positions work, padding included), convolved
 with the lag weights, and read back at the query positions. Causal models zero every negative lag
 (t after s). 2D uses the separable bias w_row(row_s - row_t) + w_col(col_s - col_t) = a row Toeplitz over
-row sums plus a column Toeplitz over column sums (separate row and column weights).
+row sums plus a column Toeplitz over column sums. The paper shares one w between the two axes; here each axis
+learns its own (a superset: equal weights recover the paper's form).
 """
 
 import torch
@@ -30,6 +33,8 @@ def toeplitz_apply(lag_weights: torch.Tensor, values: torch.Tensor) -> torch.Ten
 
 
 class FastRelativePositionBias(PositionalEncoding):
+    """``value_bias`` adds W V (eq. 12), by FFT for long inputs and as an explicit matrix for short ones."""
+
     def __init__(self, num_heads: int, max_positions: int, position_dims: int = 1, init_std: float = 0.0):
         super().__init__()
         self.num_heads, self.max_positions, self.position_dims, self.init_std = (

@@ -14,7 +14,8 @@ from .reinitialisable import Reinitialisable, seeded_generator
 
 
 class CyclicPermutations(Reinitialisable):
-    """One random permutation pi_h of ``size`` elements per head, applied to the power ``s`` of any position.
+    """One random permutation pi_h of ``size`` elements per head, applied to the power ``s`` of any position
+    (the P_pi^s of PermuteFormer eq. 11-13).
 
     (P_pi^s x)_i = x[pi^s(i)]; pi^s(i) = cycle(i)[(index of i in its cycle + s) mod cycle length].
     The permutations are drawn from ``seed`` (and the head and size), so they can be re-created.

@@ -1,4 +1,5 @@
-"""The quadratic baseline: softmax attention through SDPA, with the same positional encodings.
+"""The quadratic baseline: softmax attention (Vaswani et al. 2017; LRPE eq. 1-2) through SDPA, with the same
+positional encodings.
 
 The encoding transforms the raw queries and keys; the temperature is 1 / sqrt(width of the queries before the
 transform), so an encoding that reduces to the identity gives plain softmax attention (LRPE Type 1's real form
