@@ -1,5 +1,6 @@
 """lrpe-hf: linear-attention transformers with relative positional encodings for Hugging Face Transformers."""
 
+from .linearize import linearize
 from .modeling.attention_options import ABSOLUTE_POSITION_EMBEDDINGS, AttentionOptions
 from .modeling.attention_state import LinearAttentionState
 from .modeling.cache import LinearAttentionCache
@@ -71,6 +72,7 @@ __all__ = [
     "LinearViTPreTrainedModel",
     "PositionalEncoding",
     "SinusoidalPositionEmbedding",
+    "linearize",
     "register_feature_map",
     "register_lrpe_p_matrix",
     "register_positional_encoding",

@@ -1,0 +1,313 @@
+"""Turn a pretrained softmax checkpoint (GPT-2, RoBERTa, BERT or ViT) into its linear-attention counterpart.
+
+``linearize(model_or_path, **config_fields)`` returns the matching LinearGPT / LinearRoberta / LinearViT model with
+every weight carried over: embeddings, absolute positions (as a ``learned`` table), norms, q/k/v/o, MLP and heads.
+The config fields choose the attention (default: the family's, ``lrpe_orthogonal`` with linear attention); with
+``attention="softmax"`` and ``positional_encoding="none"`` the converted model computes what the original does.
+
+- GPT-2: the fused ``c_attn`` is split into q, k and v; ``Conv1D`` weights are transposed into ``nn.Linear``.
+- RoBERTa: positions start at ``padding_idx + 1``, so row p + padding_idx + 1 of the table becomes row p; the
+  single token-type vector is folded into the position table (or, without absolute positions, into the token
+  embeddings, with the masked-LM decoder untied so that it keeps the original word embeddings).
+- BERT: as RoBERTa without the offset; the token-type-0 vector is folded in (these models have one segment type);
+  the pooler (dense + tanh) becomes the sentence head's ``dense``.
+- ViT: the class token and the position table over the class token and the patches carry over.
+"""
+
+import torch
+import transformers
+from transformers import AutoConfig
+
+from .modeling.configuration_linear_gpt import LinearGPTConfig
+from .modeling.configuration_linear_roberta import LinearRobertaConfig
+from .modeling.configuration_linear_vit import LinearViTConfig
+from .modeling.modeling_linear_gpt import LinearGPTForCausalLM, LinearGPTForSequenceClassification, LinearGPTModel
+from .modeling.modeling_linear_roberta import (
+    LinearRobertaForMaskedLM,
+    LinearRobertaForQuestionAnswering,
+    LinearRobertaForSequenceClassification,
+    LinearRobertaForTokenClassification,
+    LinearRobertaModel,
+)
+from .modeling.modeling_linear_vit import LinearViTForImageClassification, LinearViTModel
+
+TARGETS = {
+    "GPT2Model": LinearGPTModel,
+    "GPT2LMHeadModel": LinearGPTForCausalLM,
+    "GPT2ForSequenceClassification": LinearGPTForSequenceClassification,
+    "ViTModel": LinearViTModel,
+    "ViTForImageClassification": LinearViTForImageClassification,
+}
+for _prefix in ("Roberta", "Bert"):
+    TARGETS.update(
+        {
+            f"{_prefix}Model": LinearRobertaModel,
+            f"{_prefix}ForMaskedLM": LinearRobertaForMaskedLM,
+            f"{_prefix}ForSequenceClassification": LinearRobertaForSequenceClassification,
+            f"{_prefix}ForTokenClassification": LinearRobertaForTokenClassification,
+            f"{_prefix}ForQuestionAnswering": LinearRobertaForQuestionAnswering,
+        }
+    )
+
+
+def linearize(model_or_path, **config_fields):
+    """A LinearGPT / LinearRoberta / LinearViT model holding the weights of ``model_or_path`` (a transformers
+    model, or a checkpoint folder or Hub name whose config names its architecture). ``config_fields`` set the
+    attention (``positional_encoding``, ``feature_map``, ``attention``, ...) and may override any field."""
+    source = load_source(model_or_path)
+    name = type(source).__name__
+    if name not in TARGETS:
+        raise ValueError(f"Cannot linearize {name}; supported architectures: {', '.join(TARGETS)}")
+    family = name[:4] if name.startswith("GPT2") else ("vit" if name.startswith("ViT") else "text")
+    convert = {"GPT2": gpt2, "vit": vit, "text": roberta_or_bert}[family]
+    config, weights = convert(source, config_fields)
+    target = TARGETS[name](config)
+    if config.absolute_position_embedding != "learned":  # the relative encoding replaces the pretrained table
+        weights = {k: v for k, v in weights.items() if "position_embedding.tables" not in k}
+    missing, unexpected = target.load_state_dict(weights, strict=False)
+    derived = {name for name, _ in target.named_parameters() if ".self_attn.positional_encoding." in name}
+    derived |= {name for name, _ in target.named_parameters() if ".self_attn.attention." in name}
+    derived |= {name for name, _ in target.named_parameters() if ".shared_codes." in name}
+    missing = [key for key in missing if key not in derived and not is_tied(target, key)]
+    if missing or unexpected:
+        raise ValueError(
+            f"Weights did not map onto {type(target).__name__}: missing {missing}, unexpected {unexpected}"
+        )
+    return target.to(next(source.parameters()).dtype)
+
+
+def load_source(model_or_path):
+    if isinstance(model_or_path, torch.nn.Module):
+        return model_or_path
+    config = AutoConfig.from_pretrained(model_or_path)
+    architectures = config.architectures or []
+    supported = [name for name in architectures if name in TARGETS]
+    if not supported:
+        raise ValueError(
+            f"{model_or_path}: architecture {architectures or config.model_type} cannot be linearized; supported "
+            f"architectures: {', '.join(TARGETS)}"
+        )
+    return getattr(transformers, supported[0]).from_pretrained(model_or_path)
+
+
+def is_tied(model, key: str) -> bool:
+    tied = getattr(model, "_tied_weights_keys", None) or {}
+    return key in tied and model.config.tie_word_embeddings
+
+
+def linear(weights: dict, target: str, weight, bias):
+    weights[f"{target}.weight"], weights[f"{target}.bias"] = weight, bias
+
+
+def layer_norm(weights: dict, target: str, state: dict, source: str):
+    linear(weights, target, state[f"{source}.weight"], state[f"{source}.bias"])
+
+
+# ---------------------------------------------------------------- GPT-2
+def gpt2(source, fields):
+    c = source.config
+    if getattr(c, "scale_attn_by_inverse_layer_idx", False) or getattr(c, "reorder_and_upcast_attn", False):
+        raise ValueError(
+            "GPT-2 checkpoints with scale_attn_by_inverse_layer_idx or reorder_and_upcast_attn are not supported"
+        )
+    config = LinearGPTConfig(
+        **{
+            "vocab_size": c.vocab_size,
+            "hidden_size": c.n_embd,
+            "num_hidden_layers": c.n_layer,
+            "num_attention_heads": c.n_head,
+            "intermediate_size": c.n_inner or 4 * c.n_embd,
+            "hidden_act": c.activation_function,
+            "max_position_embeddings": c.n_positions,
+            "layer_norm_eps": c.layer_norm_epsilon,
+            "hidden_dropout_prob": c.resid_pdrop,
+            "initializer_range": c.initializer_range,
+            "absolute_position_embedding": "learned",
+            "tie_word_embeddings": c.tie_word_embeddings,
+            "pad_token_id": c.pad_token_id,
+            "bos_token_id": c.bos_token_id,
+            "eos_token_id": c.eos_token_id,
+            "num_labels": c.num_labels,
+            "id2label": c.id2label,
+            "label2id": c.label2id,
+            **fields,
+        }
+    )
+    state = {k.removeprefix("transformer."): v for k, v in source.state_dict().items()}
+    weights = {
+        "model.embed_tokens.weight": state["wte.weight"],
+        "model.position_embedding.tables.0.weight": state["wpe.weight"],
+    }
+    for i in range(c.n_layer):
+        s, t = f"h.{i}", f"model.stack.layers.{i}"
+        q, k, v = state[f"{s}.attn.c_attn.weight"].T.chunk(3, dim=0)  # Conv1D stores (in, out)
+        qb, kb, vb = state[f"{s}.attn.c_attn.bias"].chunk(3)
+        for proj, weight, bias in (("q", q, qb), ("k", k, kb), ("v", v, vb)):
+            linear(weights, f"{t}.self_attn.{proj}_proj", weight, bias)
+        linear(weights, f"{t}.self_attn.o_proj", state[f"{s}.attn.c_proj.weight"].T, state[f"{s}.attn.c_proj.bias"])
+        linear(weights, f"{t}.mlp.fc1", state[f"{s}.mlp.c_fc.weight"].T, state[f"{s}.mlp.c_fc.bias"])
+        linear(weights, f"{t}.mlp.fc2", state[f"{s}.mlp.c_proj.weight"].T, state[f"{s}.mlp.c_proj.bias"])
+        layer_norm(weights, f"{t}.self_attn_layer_norm", state, f"{s}.ln_1")
+        layer_norm(weights, f"{t}.final_layer_norm", state, f"{s}.ln_2")
+    layer_norm(weights, "model.norm", state, "ln_f")
+    if "lm_head.weight" in state:
+        weights["lm_head.weight"] = state["lm_head.weight"]
+    if "score.weight" in state:
+        weights["score.weight"] = state["score.weight"]
+    return config, strip_base_prefix(weights, source)
+
+
+def strip_base_prefix(weights: dict, source) -> dict:
+    """A bare base model (GPT2Model, RobertaModel, ViTModel) converts to a bare base model: drop ``model.``."""
+    if (
+        type(source).__name__.endswith("Model")
+        and "For" not in type(source).__name__
+        and "LMHead" not in type(source).__name__
+    ):
+        return {k.removeprefix("model."): v for k, v in weights.items() if k.startswith("model.")}
+    return weights
+
+
+# ---------------------------------------------------------------- RoBERTa and BERT
+def roberta_or_bert(source, fields):
+    c = source.config
+    is_roberta = c.model_type in ("roberta", "xlm-roberta", "camembert")
+    if getattr(c, "position_embedding_type", "absolute") != "absolute":
+        raise ValueError(f"position_embedding_type={c.position_embedding_type!r} is not supported; only absolute")
+    offset = c.pad_token_id + 1 if is_roberta else 0
+    base = {k: v for k, v in source.state_dict().items()}
+    prefix = source.base_model_prefix + "."
+    state = {k.removeprefix(prefix): v for k, v in base.items()}
+    table = state["embeddings.position_embeddings.weight"][offset:]
+    segment = state["embeddings.token_type_embeddings.weight"][0]
+    config = LinearRobertaConfig(
+        **{
+            "vocab_size": c.vocab_size,
+            "hidden_size": c.hidden_size,
+            "num_hidden_layers": c.num_hidden_layers,
+            "num_attention_heads": c.num_attention_heads,
+            "intermediate_size": c.intermediate_size,
+            "hidden_act": c.hidden_act,
+            "max_position_embeddings": table.shape[0],
+            "layer_norm_eps": c.layer_norm_eps,
+            "hidden_dropout_prob": c.hidden_dropout_prob,
+            "classifier_dropout": getattr(c, "classifier_dropout", None),
+            "initializer_range": c.initializer_range,
+            "absolute_position_embedding": "learned",
+            "tie_word_embeddings": c.tie_word_embeddings,
+            "pad_token_id": c.pad_token_id,
+            "bos_token_id": c.bos_token_id,
+            "eos_token_id": c.eos_token_id,
+            "num_labels": c.num_labels,
+            "id2label": c.id2label,
+            "label2id": c.label2id,
+            "problem_type": c.problem_type,
+            **fields,
+        }
+    )
+    words = state["embeddings.word_embeddings.weight"]
+    weights = {}
+    if config.absolute_position_embedding == "learned":
+        weights["model.position_embedding.tables.0.weight"] = table + segment
+        weights["model.embed_tokens.weight"] = words
+    else:  # no table to fold the segment vector into: the token embeddings take it, the decoder keeps the words
+        weights["model.embed_tokens.weight"] = words + segment
+        config.tie_word_embeddings = False
+    layer_norm(weights, "model.embedding_norm", state, "embeddings.LayerNorm")
+    for i in range(c.num_hidden_layers):
+        s, t = f"encoder.layer.{i}", f"model.stack.layers.{i}"
+        for proj, name in (("q", "query"), ("k", "key"), ("v", "value")):
+            linear(
+                weights,
+                f"{t}.self_attn.{proj}_proj",
+                state[f"{s}.attention.self.{name}.weight"],
+                state[f"{s}.attention.self.{name}.bias"],
+            )
+        linear(
+            weights,
+            f"{t}.self_attn.o_proj",
+            state[f"{s}.attention.output.dense.weight"],
+            state[f"{s}.attention.output.dense.bias"],
+        )
+        layer_norm(weights, f"{t}.self_attn_layer_norm", state, f"{s}.attention.output.LayerNorm")
+        linear(weights, f"{t}.mlp.fc1", state[f"{s}.intermediate.dense.weight"], state[f"{s}.intermediate.dense.bias"])
+        linear(weights, f"{t}.mlp.fc2", state[f"{s}.output.dense.weight"], state[f"{s}.output.dense.bias"])
+        layer_norm(weights, f"{t}.final_layer_norm", state, f"{s}.output.LayerNorm")
+    heads(weights, base, words)
+    return config, strip_base_prefix(weights, source)
+
+
+def heads(weights: dict, state: dict, words):
+    """The task heads of RoBERTa and BERT, renamed to LinearRoberta's."""
+    if "lm_head.dense.weight" in state:  # RoBERTa's masked-LM head
+        linear(weights, "lm_head.dense", state["lm_head.dense.weight"], state["lm_head.dense.bias"])
+        layer_norm(weights, "lm_head.norm", state, "lm_head.layer_norm")
+        linear(weights, "lm_head.decoder", words, state["lm_head.bias"])
+    if "cls.predictions.transform.dense.weight" in state:  # BERT's
+        p = "cls.predictions"
+        linear(weights, "lm_head.dense", state[f"{p}.transform.dense.weight"], state[f"{p}.transform.dense.bias"])
+        layer_norm(weights, "lm_head.norm", state, f"{p}.transform.LayerNorm")
+        linear(weights, "lm_head.decoder", words, state[f"{p}.bias"])
+    if "classifier.dense.weight" in state:  # RoBERTa's sentence head
+        linear(weights, "classifier.dense", state["classifier.dense.weight"], state["classifier.dense.bias"])
+        linear(weights, "classifier.out_proj", state["classifier.out_proj.weight"], state["classifier.out_proj.bias"])
+    elif "bert.pooler.dense.weight" in state and "classifier.weight" in state:  # BERT: pooler, then classifier
+        linear(weights, "classifier.dense", state["bert.pooler.dense.weight"], state["bert.pooler.dense.bias"])
+        linear(weights, "classifier.out_proj", state["classifier.weight"], state["classifier.bias"])
+    elif "classifier.weight" in state:  # token classification
+        linear(weights, "classifier", state["classifier.weight"], state["classifier.bias"])
+    if "qa_outputs.weight" in state:
+        linear(weights, "qa_outputs", state["qa_outputs.weight"], state["qa_outputs.bias"])
+
+
+# ---------------------------------------------------------------- ViT
+def vit(source, fields):
+    c = source.config
+    config = LinearViTConfig(
+        **{
+            "image_size": c.image_size,
+            "patch_size": c.patch_size,
+            "num_channels": c.num_channels,
+            "hidden_size": c.hidden_size,
+            "num_hidden_layers": c.num_hidden_layers,
+            "num_attention_heads": c.num_attention_heads,
+            "intermediate_size": c.intermediate_size,
+            "hidden_act": c.hidden_act,
+            "layer_norm_eps": c.layer_norm_eps,
+            "hidden_dropout_prob": c.hidden_dropout_prob,
+            "initializer_range": c.initializer_range,
+            "absolute_position_embedding": "learned",
+            "num_labels": c.num_labels,
+            "id2label": c.id2label,
+            "label2id": c.label2id,
+            **fields,
+        }
+    )
+    state = {k.removeprefix("vit."): v for k, v in source.state_dict().items()}
+    weights = {
+        "model.embeddings.cls_token": state["embeddings.cls_token"],
+        "model.embeddings.position_embedding.tables.0.weight": state["embeddings.position_embeddings"][0],
+    }
+    linear(
+        weights,
+        "model.embeddings.patch_projection",
+        state["embeddings.patch_embeddings.projection.weight"],
+        state["embeddings.patch_embeddings.projection.bias"],
+    )
+    for i in range(c.num_hidden_layers):
+        s, t = f"layers.{i}", f"model.stack.layers.{i}"
+        for proj in ("q", "k", "v", "o"):
+            linear(
+                weights,
+                f"{t}.self_attn.{proj}_proj",
+                state[f"{s}.attention.{proj}_proj.weight"],
+                state[f"{s}.attention.{proj}_proj.bias"],
+            )
+        layer_norm(weights, f"{t}.self_attn_layer_norm", state, f"{s}.layernorm_before")
+        layer_norm(weights, f"{t}.final_layer_norm", state, f"{s}.layernorm_after")
+        for fc in ("fc1", "fc2"):
+            linear(weights, f"{t}.mlp.{fc}", state[f"{s}.mlp.{fc}.weight"], state[f"{s}.mlp.{fc}.bias"])
+    layer_norm(weights, "model.norm", state, "layernorm")
+    if "classifier.weight" in state:
+        linear(weights, "classifier", state["classifier.weight"], state["classifier.bias"])
+    return config, strip_base_prefix(weights, source)

@@ -1,0 +1,168 @@
+"""lrpe_hf.linearize: a GPT-2, RoBERTa, BERT or ViT checkpoint becomes the matching linear-attention model.
+
+With softmax attention, no relative encoding and the learned absolute table, the converted model computes what
+the original does (small random checkpoints built here, every head, padding included); with a relative
+encoding and linear attention it keeps every pretrained weight and runs on inputs longer than the table.
+"""
+
+import pytest
+import torch
+from transformers import (
+    BertConfig,
+    BertForMaskedLM,
+    BertForSequenceClassification,
+    GPT2Config,
+    GPT2ForSequenceClassification,
+    GPT2LMHeadModel,
+    GPT2Model,
+    RobertaConfig,
+    RobertaForMaskedLM,
+    RobertaForQuestionAnswering,
+    RobertaForSequenceClassification,
+    RobertaForTokenClassification,
+    RobertaModel,
+    ViTConfig,
+    ViTForImageClassification,
+)
+
+import lrpe_hf
+
+EXACT = dict(attention="softmax", positional_encoding="none", absolute_position_embedding="learned")
+TEXT = dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, intermediate_size=37, vocab_size=60)
+
+
+def gpt2(model_class=GPT2LMHeadModel):
+    config = GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=60, n_positions=24, bos_token_id=0, eos_token_id=0)
+    config.pad_token_id = 0
+    return model_class(config)
+
+
+def roberta(model_class, num_labels=3):
+    return model_class(RobertaConfig(**TEXT, max_position_embeddings=26, pad_token_id=1, num_labels=num_labels))
+
+
+def bert(model_class):
+    return model_class(BertConfig(**TEXT, max_position_embeddings=24, pad_token_id=0, num_labels=3))
+
+
+def text_inputs(pad_token_id, padded=True):
+    torch.manual_seed(1)
+    ids = torch.randint(3, 60, (2, 9))
+    mask = torch.ones(2, 9, dtype=torch.long)
+    if padded:
+        ids[1, -3:], mask[1, -3:] = pad_token_id, 0
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def outputs(model, inputs):
+    with torch.no_grad():
+        out = model.eval()(**inputs)
+    names = ("logits", "start_logits", "end_logits", "last_hidden_state")
+    return {name: getattr(out, name) for name in names if getattr(out, name, None) is not None}
+
+
+def assert_same_outputs(original, converted, inputs, mask=None):
+    want, got = outputs(original, inputs), outputs(converted, inputs)
+    assert want.keys() == got.keys()
+    for name in want:
+        a, b = want[name], got[name]
+        if mask is not None and a.dim() >= 2 and a.shape[1] == mask.shape[1]:  # compare real tokens only
+            a, b = a[mask.bool()], b[mask.bool()]
+        torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4, msg=name)
+
+
+CASES = {
+    "gpt2-lm": (lambda: gpt2(GPT2LMHeadModel), lrpe_hf.LinearGPTForCausalLM, 0),
+    "gpt2-base": (lambda: gpt2(GPT2Model), lrpe_hf.LinearGPTModel, 0),
+    "gpt2-classification": (lambda: gpt2(GPT2ForSequenceClassification), lrpe_hf.LinearGPTForSequenceClassification, 0),
+    "roberta-mlm": (lambda: roberta(RobertaForMaskedLM), lrpe_hf.LinearRobertaForMaskedLM, 1),
+    "roberta-base": (lambda: roberta(RobertaModel), lrpe_hf.LinearRobertaModel, 1),
+    "roberta-classification": (
+        lambda: roberta(RobertaForSequenceClassification),
+        lrpe_hf.LinearRobertaForSequenceClassification,
+        1,
+    ),
+    "roberta-tokens": (lambda: roberta(RobertaForTokenClassification), lrpe_hf.LinearRobertaForTokenClassification, 1),
+    "roberta-qa": (lambda: roberta(RobertaForQuestionAnswering, 2), lrpe_hf.LinearRobertaForQuestionAnswering, 1),
+    "bert-mlm": (lambda: bert(BertForMaskedLM), lrpe_hf.LinearRobertaForMaskedLM, 0),
+    "bert-classification": (
+        lambda: bert(BertForSequenceClassification),
+        lrpe_hf.LinearRobertaForSequenceClassification,
+        0,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_softmax_conversion_of_text_models_is_exact(case):
+    make, target_class, pad = CASES[case]
+    torch.manual_seed(0)
+    original = make()
+    converted = lrpe_hf.linearize(original, **EXACT)
+    assert type(converted) is target_class
+    inputs = text_inputs(pad, padded=not case.startswith("gpt2"))  # GPT-2 ignores padding when placing positions
+    assert_same_outputs(original, converted, inputs, inputs["attention_mask"])
+
+
+def test_softmax_conversion_of_vit_is_exact():
+    torch.manual_seed(0)
+    config = ViTConfig(
+        **{k: v for k, v in TEXT.items() if k != "vocab_size"}, image_size=16, patch_size=4, num_labels=3
+    )
+    original = ViTForImageClassification(config)
+    converted = lrpe_hf.linearize(original, **EXACT)
+    assert isinstance(converted, lrpe_hf.LinearViTForImageClassification)
+    assert_same_outputs(original, converted, {"pixel_values": torch.randn(2, 3, 16, 16)})
+
+
+def test_conversion_from_a_saved_checkpoint_and_round_trip(tmp_path):
+    torch.manual_seed(0)
+    original = roberta(RobertaForSequenceClassification)
+    original.save_pretrained(tmp_path / "roberta")
+    converted = lrpe_hf.linearize(str(tmp_path / "roberta"), **EXACT)
+    inputs = text_inputs(1)
+    assert_same_outputs(original, converted, inputs, inputs["attention_mask"])
+    converted.save_pretrained(tmp_path / "linear")
+    reloaded = lrpe_hf.LinearRobertaForSequenceClassification.from_pretrained(tmp_path / "linear")
+    assert_same_outputs(converted, reloaded, inputs)
+    assert (tmp_path / "linear" / "linear_attention.py").exists()  # the model code travels: remote code
+
+
+def test_relative_linear_student_keeps_the_weights_and_runs_past_the_table():
+    """The default student: lrpe_orthogonal, linear attention, no absolute table; 4x the teacher's positions."""
+    torch.manual_seed(0)
+    teacher = gpt2()
+    student = lrpe_hf.linearize(teacher, absolute_position_embedding="none")
+    assert student.config.positional_encoding == "lrpe_orthogonal" and student.config.attention == "linear"
+    torch.testing.assert_close(
+        student.model.stack.layers[1].self_attn.q_proj.weight,
+        teacher.transformer.h[1].attn.c_attn.weight[:, :32].T,
+    )
+    with torch.no_grad():
+        logits = student(torch.randint(3, 60, (1, 4 * teacher.config.n_positions))).logits
+    assert torch.isfinite(logits).all()
+
+
+def test_without_absolute_positions_the_segment_vector_moves_into_the_token_embeddings():
+    torch.manual_seed(0)
+    original = roberta(RobertaForMaskedLM)
+    converted = lrpe_hf.linearize(
+        original, attention="softmax", positional_encoding="none", absolute_position_embedding="none"
+    )
+    assert not converted.config.tie_word_embeddings
+    segment = original.roberta.embeddings.token_type_embeddings.weight[0]
+    torch.testing.assert_close(
+        converted.model.embed_tokens.weight, original.roberta.embeddings.word_embeddings.weight + segment
+    )
+    torch.testing.assert_close(converted.lm_head.decoder.weight, original.lm_head.decoder.weight)
+
+
+def test_unsupported_architectures_are_named():
+    from transformers import OPTConfig, OPTForCausalLM
+
+    with pytest.raises(ValueError, match="supported architectures: GPT2Model, GPT2LMHeadModel"):
+        lrpe_hf.linearize(
+            OPTForCausalLM(
+                OPTConfig(num_hidden_layers=1, hidden_size=16, num_attention_heads=4, ffn_dim=32, vocab_size=40)
+            )
+        )
