@@ -34,6 +34,8 @@ def make_layer(positional_encoding="none", hidden_size=16, num_heads=2, seed=0, 
                 param.mul_(1.0 + 0.2 * torch.rand_like(param))
             elif "output_norm" in name:
                 param.normal_(1.0, 0.2)
+            elif "feature_map" in name:  # learned maps (hedgehog, t2r): away from their initialisation
+                param.add_(0.3 * torch.randn_like(param))
     return layer.double().eval()
 
 

@@ -12,7 +12,8 @@ import torch
 
 
 # ---------------------------------------------------------------- feature maps
-def feature_map(layer, x):
+def feature_map(layer, x, head):
+    """phi(x) for one head's queries or keys (N, D), from each paper's formula."""
     o = layer.options
     fm = layer.feature_map
     if o.feature_map == "elu":
@@ -34,6 +35,11 @@ def feature_map(layer, x):
         d = x.shape[-1]
         xs = x / d**0.25
         return torch.exp(xs @ w.T - (xs**2).sum(-1, keepdim=True) / 2) / math.sqrt(w.shape[0])
+    if o.feature_map == "hedgehog":  # [softmax(W x), softmax(-W x)]
+        y = x @ fm.weight[head].double()
+        return torch.cat([torch.softmax(y, -1), torch.softmax(-y, -1)], dim=-1)
+    if o.feature_map == "t2r":  # relu(W x + b)
+        return torch.clamp(x @ fm.weight[head].double() + fm.bias[head].double(), min=0)
     raise AssertionError(o.feature_map)
 
 
@@ -217,7 +223,7 @@ def reference_attention(layer, x, mask=None, positions=None, shared_draw=None):
                 qh = torch.einsum("nd,ndr->nr", qh, qc) / (D_ * R) ** 0.25
                 kh = torch.einsum("nd,ndr->nr", kh, kc) / (D_ * R) ** 0.25
             if o.attention == "linear":
-                fq, fk = feature_map(layer, qh), feature_map(layer, kh)
+                fq, fk = feature_map(layer, qh, h), feature_map(layer, kh, h)
             else:
                 fq, fk = qh, kh
             m = fq.shape[-1]

@@ -63,6 +63,14 @@ def test_other_normalizations(encoding, normalization, causal):
     check(layer, *padded_inputs(causal))
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+@pytest.mark.parametrize("feature_map", ["hedgehog", "t2r"])
+@pytest.mark.parametrize("encoding", ["none", "lrpe_orthogonal", "permute", "spe_sine"])
+def test_learned_feature_maps_for_conversion(encoding, feature_map, causal):
+    layer = make_layer(encoding, feature_map=feature_map, causal=causal, chunk_size=4)
+    check(layer, *padded_inputs(causal))
+
+
 @pytest.mark.parametrize("p_matrix", ["identity", "odd_even", "householder", "dct"])
 @pytest.mark.parametrize("encoding", ["lrpe_unitary", "lrpe_orthogonal", "lrpe_permutation"])
 def test_lrpe_p_matrices(encoding, p_matrix):

@@ -20,14 +20,14 @@ def test_public_name_lists():
         "spe_conv",
         "fastrpb",
     )
-    assert lrpe_hf.FEATURE_MAPS == ("elu", "relu", "exp", "dpfp", "performer")
+    assert lrpe_hf.FEATURE_MAPS == ("elu", "relu", "exp", "dpfp", "performer", "hedgehog", "t2r")
 
 
 @pytest.mark.parametrize(
     "options,message",
     [
         (dict(positional_encoding="alibi"), "valid values: none, rope, lrpe_unitary"),
-        (dict(feature_map="tanh"), "valid values: elu, relu, exp, dpfp, performer"),
+        (dict(feature_map="tanh"), "valid values: elu, relu, exp, dpfp, performer, hedgehog, t2r"),
         (dict(attention="flash"), "valid values: linear, softmax"),
         (dict(normalization="l2"), "valid values: denominator, unrotated_denominator, output_norm"),
         (dict(lrpe_p_matrix="fourier", positional_encoding="lrpe_unitary"), "valid values: householder, identity"),

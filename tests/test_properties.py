@@ -4,7 +4,7 @@ import pytest
 import torch
 from conftest import SECOND_FEATURE_MAP, make_layer
 
-from lrpe_hf import POSITIONAL_ENCODINGS, LinearAttentionState
+from lrpe_hf import FEATURE_MAPS, POSITIONAL_ENCODINGS, LinearAttentionState
 
 RELATIVE = ["none", "rope", "lrpe_unitary", "lrpe_orthogonal", "lrpe_permutation", "permute", "fastrpb"]
 
@@ -172,7 +172,7 @@ def test_cuda_matches_cpu(encoding):
         assert torch.isfinite(layer(x.cuda())).all()
 
 
-@pytest.mark.parametrize("feature_map", ["elu", "relu", "exp", "dpfp", "performer"])
+@pytest.mark.parametrize("feature_map", FEATURE_MAPS)
 @pytest.mark.parametrize("encoding", POSITIONAL_ENCODINGS)
 def test_every_encoding_with_every_feature_map_trains(encoding, feature_map):
     """The full grid the README promises: forward and backward stay finite, both directions."""

@@ -38,6 +38,7 @@ class AttentionOptions:
     position_dims: int = option(1, "1 for sequences, 2 for image patches carrying (row, col)", per_family=True)
     max_positions: int | None = option(None, "fastrpb: the longest span of positions (per axis in 2D)", per_family=True)
     layer_index: int = option(0, "the layer's place in its model: random tables differ per layer", per_family=True)
+    num_heads: int | None = option(None, "the layer's number of heads (set by the layer)", per_family=True)
     chunk_size: int | None = option(None, "causal chunk length; default 64 up to 8k tokens, 128 beyond")
     eps: float = option(
         1e-6,
@@ -49,6 +50,7 @@ class AttentionOptions:
     performer_features: int | None = option(None, "performer feature map: number of random features (default D)")
     performer_redraw: bool = option(False, "performer: redraw the random features at every training step")
     performer_seed: int = option(0, "performer: seed of the initial random features")
+    t2r_features: int | None = option(None, "t2r feature map: number of learned ReLU features (default D)")
     rope_base: float = option(10000.0, "rope and lrpe_*: frequencies (initial angles) base^(-2i/m)")
     lrpe_p_matrix: str = option("householder", "LRPE's P: a registered P matrix (lrpe_hf.LRPE_P_MATRICES)")
     lrpe_learnable_p: bool = option(False, "LRPE: learn P (the Householder vector)")

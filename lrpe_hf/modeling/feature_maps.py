@@ -218,3 +218,47 @@ class PerformerFeatureMap(ExponentialFeatureMap):
         x = x * self.input_dim**-0.25
         projected = x @ self.projection.to(x.dtype).T
         return projected - 0.5 * x.pow(2).sum(-1, keepdim=True) - 0.5 * math.log(self.num_features)
+
+
+class HedgehogFeatureMap(FeatureMap):
+    """phi(x) = [softmax(W_h x), softmax(-W_h x)] with a learned map W_h per head, initialised to the identity
+    (Zhang et al. 2024, "The Hedgehog & the Porcupine", section 4.1): spiky, non-negative features that can be
+    trained to mimic softmax attention. Width 2 D."""
+
+    def __init__(self, input_dim: int, num_heads: int):
+        super().__init__(input_dim)
+        self.num_heads = num_heads
+        self.register_initial_values(trainable={"weight": True})
+
+    def initial_values(self):
+        return {"weight": torch.eye(self.input_dim).repeat(self.num_heads, 1, 1)}  # (H, D, D)
+
+    @property
+    def output_dim(self):
+        return 2 * self.input_dim
+
+    def forward(self, x):  # (B, H, N, D)
+        y = torch.einsum("bhnd,hde->bhne", x, self.weight.to(x.dtype))
+        return torch.cat([y.softmax(-1), (-y).softmax(-1)], dim=-1)
+
+
+class T2RFeatureMap(FeatureMap):
+    """phi(x) = relu(W_h x + b_h), a learned single-layer ReLU map per head (Kasai et al. 2021, "Finetuning
+    Pretrained Transformers into RNNs", eq. 5), with m = ``num_features`` outputs (default D)."""
+
+    def __init__(self, input_dim: int, num_heads: int, num_features: int | None = None):
+        super().__init__(input_dim)
+        self.num_heads, self.num_features = num_heads, num_features or input_dim
+        self.register_initial_values(trainable={"weight": True, "bias": True})
+
+    def initial_values(self):
+        weight = torch.randn(self.num_heads, self.input_dim, self.num_features) / self.input_dim**0.5
+        return {"weight": weight, "bias": torch.zeros(self.num_heads, self.num_features)}
+
+    @property
+    def output_dim(self):
+        return self.num_features
+
+    def forward(self, x):  # (B, H, N, D)
+        y = torch.einsum("bhnd,hdm->bhnm", x, self.weight.to(x.dtype)) + self.bias.to(x.dtype)[:, None]
+        return F.relu(y)

@@ -17,6 +17,8 @@ Incremental decoding: pass a ``LinearAttentionState`` as ``state``; the layer re
 so calling it token by token gives the same outputs as one call over the whole sequence.
 """
 
+from dataclasses import replace
+
 import torch
 from torch import nn
 
@@ -62,7 +64,8 @@ class LinearAttention(nn.Module):
             raise ValueError(f"hidden_size ({hidden_size}) must be a multiple of num_heads ({num_heads})")
         if options is not None and option_fields:
             raise ValueError("Give either options or option fields as keywords, not both")
-        self.options = o = options if options is not None else AttentionOptions(**option_fields)
+        o = options if options is not None else AttentionOptions(**option_fields)
+        self.options = o = o if o.num_heads == num_heads else replace(o, num_heads=num_heads)
         self.hidden_size, self.num_heads = hidden_size, num_heads
         self.head_dim = hidden_size // num_heads
         self.q_proj = nn.Linear(hidden_size, hidden_size, bias=bias)

@@ -23,8 +23,10 @@ from .feature_maps import (
     DPFPFeatureMap,
     EluFeatureMap,
     ExpFeatureMap,
+    HedgehogFeatureMap,
     PerformerFeatureMap,
     ReluFeatureMap,
+    T2RFeatureMap,
 )
 from .positional_encoding import NoPositionalEncoding
 from .positional_fastrpb import FastRelativePositionBias
@@ -200,6 +202,9 @@ register_feature_map(
         dim, options.performer_features, options.performer_redraw, options.performer_seed * 1000 + options.layer_index
     ),
 )
+
+register_feature_map("hedgehog", lambda options, dim: HedgehogFeatureMap(dim, options.num_heads))
+register_feature_map("t2r", lambda options, dim: T2RFeatureMap(dim, options.num_heads, options.t2r_features))
 
 register_lrpe_p_matrix("householder", HouseholderReflection)
 register_lrpe_p_matrix("identity", lambda num_heads, dim, learnable: nn.Identity())
