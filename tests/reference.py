@@ -211,6 +211,7 @@ def reference_attention(layer, x, mask=None, positions=None, shared_draw=None):
 
     q, k, v = (proj(lin, x).view(B, N, H, D) for lin in (layer.q_proj, layer.k_proj, layer.v_proj))
     out = torch.zeros(B, N, H, D, dtype=torch.float64)
+    value_bias = torch.zeros(B, N, H, D, dtype=torch.float64)
     pe = layer.positional_encoding
     decays = getattr(pe, "decays", None)
     for b in range(B):
@@ -251,9 +252,10 @@ def reference_attention(layer, x, mask=None, positions=None, shared_draw=None):
                 elif o.normalization == "unrotated_denominator":
                     plain = torch.where(allowed, fq @ fk.T, torch.zeros_like(scores))
                     oh = oh / (plain.sum(-1, keepdim=True) + o.eps)
-                else:
+                elif o.normalization == "output_norm":
                     weight = layer.output_norm.weight.double()
                     oh = oh / torch.sqrt((oh**2).mean(-1, keepdim=True) + layer.output_norm.eps) * weight
+                # output_layer_norm: normalised over all heads below
             if o.positional_encoding == "fastrpb":
                 for s in range(N):
                     for t in range(N):
@@ -265,7 +267,14 @@ def reference_attention(layer, x, mask=None, positions=None, shared_draw=None):
                             if o.causal and lag_a < 0:
                                 continue
                             bias += float(pe.weights[a, h, o.max_positions - 1 + lag_a].detach())
-                        oh[s] += bias * vh[t]
+                        value_bias[b, s, h] += bias * vh[t]
             out[b, :, h] = oh
+        if o.attention == "linear" and o.normalization == "output_layer_norm":  # one LayerNorm over every head
+            norm = layer.output_norm
+            merged = out[b].reshape(N, H * D)
+            centred = merged - merged.mean(-1, keepdim=True)
+            merged = centred / torch.sqrt(centred.pow(2).mean(-1, keepdim=True) + norm.eps)
+            out[b] = (merged * norm.weight.double() + norm.bias.double()).view(N, H, D)
+    out = out + value_bias  # FastRPB's W V, added after the attention's normalisation
     out = out * mask[:, :, None, None]
     return proj(layer.o_proj, out.reshape(B, N, H * D))

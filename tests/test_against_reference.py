@@ -55,6 +55,9 @@ def test_softmax_baseline_matches_quadratic_formula(encoding, causal):
         ("lrpe_permutation", "unrotated_denominator"),
         ("permute", "output_norm"),
         ("none", "output_norm"),
+        ("lrpe_orthogonal", "output_layer_norm"),
+        ("rope", "output_layer_norm"),
+        ("fastrpb", "output_layer_norm"),
     ],
 )
 @pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
@@ -120,6 +123,7 @@ def test_2d_encodings_match_quadratic_formula(encoding, attention):
         ("rope", "elu"),
         ("lrpe_orthogonal", "elu"),
         ("lrpe_unitary", "elu"),
+        ("permute", "exp+output_layer_norm"),
         ("lrpe_permutation", "relu"),
     ],
 )
@@ -131,7 +135,10 @@ def test_one_token_thirty_times_larger_matches_the_formula_at_default_eps(
     Exponential maps are checked with the encodings whose features stay non-negative. With signed features
     (rotations after P) and exp features at this scale, phi(q) . phi(k) is a cancellation of O(1) products down
     to ~1e-8: an ill-conditioned sum in float32 whatever the stabiliser (see the README's numerics note)."""
-    layer = make_layer(encoding, feature_map=feature_map, causal=causal, chunk_size=4)
+    feature_map, _, normalization = feature_map.partition("+")
+    layer = make_layer(
+        encoding, feature_map=feature_map, causal=causal, chunk_size=4, normalization=normalization or None
+    )
     x, mask = padded_inputs(causal)
     x[:, 5] *= 30.0
     draw = layer.shared_codes.draw() if layer.shared_codes is not None else None

@@ -32,7 +32,8 @@ class AttentionOptions:
     feature_map: str | None = option(None, "linear attention's kernel feature map (lrpe_hf.FEATURE_MAPS); default elu")
     attention: str = option("linear", "linear, or softmax (the quadratic baseline)")
     normalization: str | None = option(
-        None, "denominator, unrotated_denominator or output_norm (linear attention); default per encoding"
+        None,
+        "denominator, unrotated_denominator, output_norm or output_layer_norm (linear attention); default per encoding",
     )
     causal: bool = option(False, "attend to past tokens only", per_family=True)
     position_dims: int = option(1, "1 for sequences, 2 for image patches carrying (row, col)", per_family=True)

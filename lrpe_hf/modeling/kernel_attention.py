@@ -10,8 +10,9 @@ encoding (PermuteFormer), 1 otherwise. ``norm_s`` is one of three normalisations
 - ``denominator``: sum_t w(s, t) <A_s phi(q_s), B_t phi(k_t)> + eps (LRPE eq. 3, PermuteFormer eq. 11), folded into
   the product as a ones column;
 - ``unrotated_denominator``: sum_t w(s, t) <phi(q_s), phi(k_t)> + eps (RoFormer eq. 19);
-- ``output_norm``: no denominator; the output is normalised per head by an RMSNorm. (The LRPE authors' code also
-  drops the denominator, but normalises with one LayerNorm over all heads, after its own embedding scaling.)
+- ``output_norm``: no denominator; the output is normalised per head by an RMSNorm;
+- ``output_layer_norm``: no denominator; one LayerNorm (gain and bias) over all heads together, as the LRPE
+  authors' code (``linear_kernel_attention.py`` with ``use_urpe``) does before the output projection.
 
 eps is defined on the unstabilised scale: where an exponential feature map divided every term of output s by
 exp(log_scale_s), eps is multiplied by exp(-log_scale_s) (and the RMSNorm's by its square).
@@ -55,7 +56,11 @@ class KernelAttention(nn.Module):
         self.normalization, self.eps = options.normalization, options.eps
         self.feature_map = build_feature_map(options, query_key_dim)
         self.feature_dim = self.feature_map.output_dim
-        self.output_norm = nn.RMSNorm(head_dim, eps=options.eps) if self.normalization == "output_norm" else None
+        self.output_norm = None
+        if self.normalization == "output_norm":
+            self.output_norm = nn.RMSNorm(head_dim, eps=options.eps)
+        elif self.normalization == "output_layer_norm":
+            self.output_norm = nn.LayerNorm(head_dim * options.num_heads, eps=options.eps)
 
     def forward(self, q, k, v, mask, positions, encoding, state=None, last_position=None, starts=None, documents=None):
         """mask (B, N) bool or None; positions (B, N, A); state: this path's state (causal decoding) or None;
@@ -83,6 +88,8 @@ class KernelAttention(nn.Module):
             out, kv = bidirectional_linear_attention(tq, tk, v, local_documents), None
         if state is not None:
             state.kv, state.key_max = kv, features.key_max
+        if self.normalization == "output_layer_norm":
+            return self.layer_norm_over_heads(out, features.log_scale)
         if features.log_scale is None:
             if self.normalization == "denominator":
                 return out[..., :-1] / (out[..., -1:] + self.eps)
@@ -102,6 +109,27 @@ class KernelAttention(nn.Module):
         log_peak = peak.to(features.log_scale.dtype).clamp_min(torch.finfo(peak.dtype).tiny).log()
         mean_square = unit.pow(2).mean(-1, keepdim=True) + self.eps * torch.exp(-2 * (features.log_scale + log_peak))
         return unit / nonzero(mean_square.to(out.dtype).sqrt()) * self.output_norm.weight.to(out.dtype)
+
+    def layer_norm_over_heads(self, out, log_scale):
+        """LayerNorm over the concatenated heads: out (B, H, N, d) -> (B, H, N, d). With stabilised features each
+        head first returns to one scale (the row's largest), and eps is scaled with it, as for the other norms."""
+        B, H, N, d = out.shape
+        norm = self.output_norm
+        if log_scale is None:
+            merged = out.transpose(1, 2).reshape(B, N, H * d)
+            merged = norm(merged.to(norm.weight.dtype)).to(out.dtype)
+            return merged.view(B, N, H, d).transpose(1, 2)
+        reference = log_scale.amax(1, keepdim=True)  # (B, 1, N, 1)
+        common = out * torch.exp(log_scale - reference).to(out.dtype)  # every head at the scale exp(-reference)
+        merged = common.transpose(1, 2).reshape(B, N, H * d)
+        peak = merged.abs().amax(-1, keepdim=True)
+        unit = merged / nonzero(peak)
+        log_peak = peak.to(reference.dtype).clamp_min(torch.finfo(peak.dtype).tiny).log()
+        centred = unit - unit.mean(-1, keepdim=True)
+        eps = self.eps * torch.exp(-2 * (reference[:, 0] + log_peak))  # (B, N, 1)
+        variance = centred.pow(2).mean(-1, keepdim=True) + eps.to(out.dtype)
+        normed = centred / nonzero(variance.sqrt()) * norm.weight.to(out.dtype) + norm.bias.to(out.dtype)
+        return normed.view(B, N, H, d).transpose(1, 2)
 
     @staticmethod
     def decay_gates(log_decay, positions, last_position, dtype):

@@ -42,7 +42,7 @@ from .positional_permute import PermutePositionalEncoding
 from .positional_rope import RotaryPositionalEncoding
 from .positional_spe import ConvSPECodes, SineSPECodes, StochasticPositionalEncoding
 
-NORMALIZATIONS = ("denominator", "unrotated_denominator", "output_norm")
+NORMALIZATIONS = ("denominator", "unrotated_denominator", "output_norm", "output_layer_norm")
 
 
 @dataclass(frozen=True)
