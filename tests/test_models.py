@@ -365,3 +365,17 @@ def test_meta_device_initialisation_recreates_every_buffer(family, encoding):
     if encoding in ("permute", "lrpe_permutation"):  # seeded per layer: every layer has its own permutations
         first, second = (name for name in buffers if name.endswith("permutations.0.members"))
         assert not torch.equal(buffers[first], buffers[second])
+
+
+@pytest.mark.parametrize("family", ["gpt", "roberta"])
+def test_embedding_multiplier_scales_the_token_embeddings(family):
+    """embedding_multiplier=m computes what multiplier 1 computes on m times the token embeddings."""
+    make_config, model_class, _, _ = FAMILIES[family]
+    torch.manual_seed(0)
+    scaled = model_class(make_config(embedding_multiplier=3.0, hidden_dropout_prob=0.0)).eval()
+    plain = model_class(make_config(hidden_dropout_prob=0.0)).eval()
+    plain.load_state_dict(scaled.state_dict())
+    ids = text_batch()
+    with torch.no_grad():
+        expected = plain(inputs_embeds=3.0 * plain.get_input_embeddings()(ids)).logits
+        torch.testing.assert_close(scaled(ids).logits, expected)

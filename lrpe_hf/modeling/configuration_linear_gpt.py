@@ -12,6 +12,8 @@ class LinearGPTConfig(LinearAttentionConfig):
         max_position_embeddings: the table size of ``learned`` absolute embeddings and FastRPB's longest span;
             relative encodings other than FastRPB work at any length.
         hidden_dropout_prob, layer_norm_eps, initializer_range, use_cache, tie_word_embeddings: as in Transformers.
+        embedding_multiplier: token embeddings are multiplied by it (fairseq, and the LRPE authors' code, use
+            sqrt(hidden_size) with embeddings initialised at std hidden_size^-1/2).
         The attention fields are documented in ``LinearAttentionConfig``.
 
     Example::
@@ -37,6 +39,7 @@ class LinearGPTConfig(LinearAttentionConfig):
     initializer_range: float = 0.02
     use_cache: bool = True
     tie_word_embeddings: bool = True
+    embedding_multiplier: float = 1.0
     pad_token_id: int | None = None
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None

@@ -11,6 +11,7 @@ class LinearRobertaConfig(LinearAttentionConfig):
         vocab_size, hidden_size, num_hidden_layers, num_attention_heads, intermediate_size, hidden_act: the usual sizes.
         max_position_embeddings: the table size of ``learned`` absolute embeddings and FastRPB's longest span.
         hidden_dropout_prob, layer_norm_eps, initializer_range: as in RoBERTa.
+        embedding_multiplier: token embeddings are multiplied by it (1 in RoBERTa; fairseq uses sqrt(hidden_size)).
         classifier_dropout: dropout of the classification heads (default: hidden_dropout_prob).
         The attention fields are documented in ``LinearAttentionConfig``.
     """
@@ -29,6 +30,7 @@ class LinearRobertaConfig(LinearAttentionConfig):
     layer_norm_eps: float = 1e-5
     initializer_range: float = 0.02
     tie_word_embeddings: bool = True
+    embedding_multiplier: float = 1.0
     pad_token_id: int | None = 1
     bos_token_id: int | None = 0
     eos_token_id: int | None = 2

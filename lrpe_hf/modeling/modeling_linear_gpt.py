@@ -68,6 +68,8 @@ class LinearGPTModel(LinearGPTPreTrainedModel):
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of input_ids and inputs_embeds")
         hidden_states = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        if self.config.embedding_multiplier != 1.0:
+            hidden_states = hidden_states * self.config.embedding_multiplier
         batch_size, num_tokens = hidden_states.shape[:2]
         use_cache = use_cache if use_cache is not None else (self.config.use_cache and not self.training)
         output_hidden_states = (

@@ -63,6 +63,8 @@ class LinearRobertaModel(LinearRobertaPreTrainedModel):
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of input_ids and inputs_embeds")
         hidden_states = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        if self.config.embedding_multiplier != 1.0:
+            hidden_states = hidden_states * self.config.embedding_multiplier
         batch_size, num_tokens = hidden_states.shape[:2]
         output_hidden_states = (
             output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
