@@ -145,7 +145,9 @@ def test_one_token_thirty_times_larger_matches_the_formula_at_default_eps(
     with torch.no_grad():
         want = reference_attention(layer, x, mask, shared_draw=draw)  # float64, unstabilised
         got = layer.to(dtype)(x.to(dtype), attention_mask=mask, shared_draw=draw).double()
-    scale = want.abs().amax(-1, keepdim=True)
+    # fp32: every row to its own scale. bf16: to the output's overall scale; a row whose signed terms nearly cancel
+    # (rotations after P, at this activation scale) is small, and bf16 rounds the terms, not the small sum.
+    scale = want.abs().amax(-1, keepdim=True) if dtype == torch.float32 else want.abs().max()
     assert float(((got - want).abs() / scale).max()) < tolerance
 
 

@@ -222,19 +222,16 @@ register_positional_encoding(
     "lrpe_unitary",
     lambda o, h, d, m: LRPEUnitary.from_options(o, h, d, m, build_p_matrix(o, h, m)),
     signed_features=True,
-    default_normalization="output_norm",
 )
 register_positional_encoding(
     "lrpe_orthogonal",
     lambda o, h, d, m: LRPEOrthogonal.from_options(o, h, d, m, build_p_matrix(o, h, m)),
     signed_features=True,
-    default_normalization="output_norm",
 )
 register_positional_encoding(
     "lrpe_permutation",
     lambda o, h, d, m: LRPEPermutation.from_options(o, h, d, m, build_p_matrix(o, h, m)),
     signed_features=True,
-    default_normalization="output_norm",
 )
 register_positional_encoding("permute", PermutePositionalEncoding.from_options)
 register_positional_encoding(
