@@ -95,6 +95,12 @@ def is_tied(model, key: str) -> bool:
     return key in tied and model.config.tie_word_embeddings
 
 
+def token_and_label_fields(c) -> dict:
+    """The fields a converted text model keeps as they are: special tokens, tying and the labels."""
+    names = ("tie_word_embeddings", "pad_token_id", "bos_token_id", "eos_token_id", "id2label", "label2id")
+    return {name: getattr(c, name) for name in names} | {"num_labels": c.num_labels, "problem_type": c.problem_type}
+
+
 def linear(weights: dict, target: str, weight, bias):
     weights[f"{target}.weight"], weights[f"{target}.bias"] = weight, bias
 
@@ -123,13 +129,7 @@ def gpt2(source, fields):
             "hidden_dropout_prob": c.resid_pdrop,
             "initializer_range": c.initializer_range,
             "absolute_position_embedding": "learned",
-            "tie_word_embeddings": c.tie_word_embeddings,
-            "pad_token_id": c.pad_token_id,
-            "bos_token_id": c.bos_token_id,
-            "eos_token_id": c.eos_token_id,
-            "num_labels": c.num_labels,
-            "id2label": c.id2label,
-            "label2id": c.label2id,
+            **token_and_label_fields(c),
             **fields,
         }
     )
@@ -194,14 +194,7 @@ def roberta_or_bert(source, fields):
             "classifier_dropout": getattr(c, "classifier_dropout", None),
             "initializer_range": c.initializer_range,
             "absolute_position_embedding": "learned",
-            "tie_word_embeddings": c.tie_word_embeddings,
-            "pad_token_id": c.pad_token_id,
-            "bos_token_id": c.bos_token_id,
-            "eos_token_id": c.eos_token_id,
-            "num_labels": c.num_labels,
-            "id2label": c.id2label,
-            "label2id": c.label2id,
-            "problem_type": c.problem_type,
+            **token_and_label_fields(c),
             **fields,
         }
     )
