@@ -1,6 +1,7 @@
 """lrpe-hf: linear-attention transformers with relative positional encodings for Hugging Face Transformers."""
 
-from .linearize import linearize
+from .linearize import attention_transfer_loss, linearize
+from .linearize import transfer_parameters as linearize_transfer_parameters
 from .modeling.attention_options import ABSOLUTE_POSITION_EMBEDDINGS, AttentionOptions
 from .modeling.attention_state import LinearAttentionState
 from .modeling.cache import LinearAttentionCache
@@ -72,7 +73,9 @@ __all__ = [
     "LinearViTPreTrainedModel",
     "PositionalEncoding",
     "SinusoidalPositionEmbedding",
+    "attention_transfer_loss",
     "linearize",
+    "linearize_transfer_parameters",
     "register_feature_map",
     "register_lrpe_p_matrix",
     "register_positional_encoding",

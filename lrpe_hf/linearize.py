@@ -304,3 +304,60 @@ def vit(source, fields):
     if "classifier.weight" in state:
         linear(weights, "classifier", state["classifier.weight"], state["classifier.bias"])
     return config, strip_base_prefix(weights, source)
+
+
+# ---------------------------------------------------------------- attention transfer (stage 1 of linearizing)
+def transfer_parameters(student) -> list:
+    """The parameters attention transfer trains: the feature maps', the encodings' and their shared codes'.
+    Everything else keeps the teacher's weights."""
+    names = (".feature_map.", ".positional_encoding.", "shared_codes.")
+    return [p for name, p in student.named_parameters() if p.requires_grad and any(part in name for part in names)]
+
+
+def attention_transfer_loss(student, hidden_states, attention_mask=None, loss: str = "output_mse"):
+    """How far each student layer's linear attention is from the teacher's softmax attention on the same inputs.
+
+    ``hidden_states``: the teacher's inputs to each layer (``output_hidden_states``: one per layer, the last
+    entry ignored), (B, N, hidden); the teacher's attention is softmax(q k^T / sqrt(D)) v with the student's own
+    q/k/v/o projections, which linearize copied from it. ``loss``:
+    - ``output_mse`` (LoLCATs): the mean squared difference of the two attention outputs;
+    - ``attention_ce`` (Hedgehog): the cross-entropy from the teacher's attention rows to the student's
+      normalised weights sum_t <A_s phi(q_s), B_t phi(k_t)> (only for encodings whose features stay
+      non-negative).
+    Returns the mean over layers (a scalar).
+    """
+    if loss not in ("output_mse", "attention_ce"):
+        raise ValueError(f"Unknown attention transfer loss {loss!r}; valid values: output_mse, attention_ce")
+    stack = student.model.stack if hasattr(student, "model") else student.stack
+    layers = stack.layers
+    mask = None if attention_mask is None else attention_mask.bool()
+    draw = stack.shared_codes.draw(hidden_states[0].device) if stack.shared_codes is not None else None
+    total = 0.0
+    for layer, hidden in zip(layers, hidden_states):
+        attention = layer.self_attn
+        x = layer.self_attn_layer_norm(hidden) if layer.pre_norm else hidden
+        B, N, _ = x.shape
+        q, k, v = (attention.split_heads(proj(x)) for proj in (attention.q_proj, attention.k_proj, attention.v_proj))
+        allowed = torch.ones(N, N, dtype=torch.bool, device=x.device)
+        if attention.options.causal:
+            allowed = allowed.tril()
+        allowed = allowed[None, None] & (mask[:, None, None, :] if mask is not None else True)
+        logits = (q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5).masked_fill(~allowed, float("-inf"))
+        teacher = logits.softmax(-1)
+        if loss == "output_mse":
+            target = attention.o_proj((teacher @ v).transpose(1, 2).reshape(B, N, -1))
+            output = attention(x, attention_mask=attention_mask, shared_draw=draw)
+            total = total + torch.nn.functional.mse_loss(output, target.detach())
+            continue
+        if attention.options.normalization != "denominator":
+            raise ValueError("attention_ce needs non-negative weights: an encoding with the plain denominator")
+        positions = torch.arange(N, device=x.device)[None, :, None].expand(B, -1, -1)
+        q, k = attention.positional_encoding.encode_query_key(q, k, positions, draw)
+        features = attention.feature_map.features(q, k, mask, attention.options.causal)
+        tq, tk = attention.positional_encoding.encode_features(features.query, features.key, positions)
+        weights = (tq @ tk.transpose(-1, -2)).masked_fill(~allowed, 0.0)
+        student_rows = weights / weights.sum(-1, keepdim=True).clamp_min(1e-12)
+        rows = allowed.any(-1)  # (B or 1, 1, N)
+        cross_entropy = -(teacher.detach() * student_rows.clamp_min(1e-12).log()).masked_fill(~allowed, 0.0).sum(-1)
+        total = total + cross_entropy.masked_select(rows.expand_as(cross_entropy)).mean()
+    return total / len(layers)

@@ -166,3 +166,42 @@ def test_unsupported_architectures_are_named():
                 OPTConfig(num_hidden_layers=1, hidden_size=16, num_attention_heads=4, ffn_dim=32, vocab_size=40)
             )
         )
+
+
+@pytest.mark.parametrize(
+    "loss,fields",
+    [
+        ("output_mse", dict(feature_map="hedgehog")),  # the default student: lrpe_orthogonal
+        ("output_mse", dict(positional_encoding="spe_sine", feature_map="t2r")),
+        ("attention_ce", dict(positional_encoding="none", feature_map="hedgehog")),
+        ("attention_ce", dict(positional_encoding="permute", feature_map="hedgehog")),
+    ],
+)
+def test_one_attention_transfer_step_lowers_the_transfer_loss(loss, fields):
+    """Stage 1 of linearizing: only the feature maps and encodings train, towards the teacher's attention."""
+    torch.manual_seed(0)
+    teacher = gpt2().eval()
+    student = lrpe_hf.linearize(teacher, **fields).eval()
+    trainable = lrpe_hf.linearize_transfer_parameters(student)
+    assert trainable and all(p.requires_grad for p in trainable)
+    frozen = {name: p.detach().clone() for name, p in student.named_parameters() if "q_proj" in name}
+    ids = torch.randint(3, 60, (4, 16))
+    with torch.no_grad():
+        hidden_states = teacher(ids, output_hidden_states=True).hidden_states
+    optimizer = torch.optim.Adam(trainable, lr=1e-2)
+    before = lrpe_hf.attention_transfer_loss(student, hidden_states, loss=loss)
+    before.backward()
+    optimizer.step()
+    with torch.no_grad():
+        after = lrpe_hf.attention_transfer_loss(student, hidden_states, loss=loss)
+    assert after < before
+    for name, p in student.named_parameters():  # the teacher's weights did not move
+        if name in frozen:
+            assert torch.equal(p, frozen[name])
+
+
+def test_attention_ce_needs_non_negative_weights():
+    student = lrpe_hf.linearize(gpt2())  # lrpe_orthogonal: signed features
+    hidden_states = (torch.randn(1, 5, 32),) * 3
+    with pytest.raises(ValueError, match="non-negative"):
+        lrpe_hf.attention_transfer_loss(student, hidden_states, loss="attention_ce")
