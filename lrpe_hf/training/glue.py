@@ -80,8 +80,11 @@ def argument_parser() -> HfArgumentParser:
 
 
 def main(args=None):
-    parser = argument_parser()
-    model_args, data_args, training_args = parse_script_arguments(parser, args)
+    return run(*parse_script_arguments(argument_parser(), args))
+
+
+def run(model_args, data_args, training_args, trainer_class=CardTrainer):
+    """Fine-tune and evaluate with parsed arguments; ``trainer_class`` builds the trainer (as ``CardTrainer``)."""
 
     if data_args.task_name is not None:
         data_args.task_name = data_args.task_name.lower()
@@ -164,7 +167,7 @@ def main(args=None):
         pipeline_tag="text-classification",
         data_description=f"Sequences of at most {data_args.max_seq_length} tokens.",
     )
-    trainer = CardTrainer(
+    trainer = trainer_class(
         model=model,
         args=training_args,
         train_dataset=train,

@@ -60,8 +60,11 @@ def argument_parser() -> HfArgumentParser:
 
 
 def main(args=None):
-    parser = argument_parser()
-    model_args, data_args, training_args = parse_script_arguments(parser, args)
+    return run(*parse_script_arguments(argument_parser(), args))
+
+
+def run(model_args, data_args, training_args, trainer_class=CardTrainer):
+    """Train and evaluate with parsed arguments; ``trainer_class`` builds the trainer (as ``CardTrainer``)."""
     training_args.remove_unused_columns = False  # the transform needs the raw image column
 
     dataset = load_files_or_hub(data_args.dataset_name, data_args.dataset_config, data_dir=data_args.data_dir)
@@ -136,7 +139,7 @@ def main(args=None):
         data_description=f"{model.config.image_size}x{model.config.image_size} images; top-1 accuracy on the "
         "validation split.",
     )
-    trainer = CardTrainer(
+    trainer = trainer_class(
         model=model,
         args=training_args,
         train_dataset=train,

@@ -126,10 +126,13 @@ def argument_parser() -> HfArgumentParser:
 
 
 def main(kind: str, args=None):
-    """Masked ("mlm") or causal ("clm") language-model training."""
+    """Masked ("mlm") or causal ("clm") language-model training from command-line arguments."""
+    return run(kind, *parse_script_arguments(argument_parser(), args))
+
+
+def run(kind: str, model_args, data_args, training_args, trainer_class=CardTrainer):
+    """Train and evaluate with parsed arguments; ``trainer_class`` builds the trainer (as ``CardTrainer``)."""
     spec = KINDS[kind]
-    parser = argument_parser()
-    model_args, data_args, training_args = parse_script_arguments(parser, args)
     if data_args.document_layout not in LAYOUTS:
         raise ValueError(f"Unknown --document_layout {data_args.document_layout!r}; valid values: {', '.join(LAYOUTS)}")
 
@@ -174,7 +177,7 @@ def main(kind: str, args=None):
         data_description=f"{data_args.document_layout.capitalize()} examples of at most {data_args.block_size} tokens.",
         pipeline_tag=spec["pipeline_tag"],
     )
-    trainer = CardTrainer(
+    trainer = trainer_class(
         model=model,
         args=training_args,
         train_dataset=train,
@@ -183,4 +186,9 @@ def main(kind: str, args=None):
         processing_class=tokenizer,
         card=card,
     )
-    return train_and_evaluate(trainer, extra_metrics=lambda m: {"eval_perplexity": math.exp(min(m["eval_loss"], 50))})
+    return train_and_evaluate(trainer, extra_metrics=perplexity)
+
+
+def perplexity(metrics: dict) -> dict:
+    """exp(eval_loss), capped at exp(50); nothing when the evaluation has no language-model loss."""
+    return {"eval_perplexity": math.exp(min(metrics["eval_loss"], 50))} if "eval_loss" in metrics else {}
