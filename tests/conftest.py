@@ -1,7 +1,12 @@
+from pathlib import Path
+
 import pytest
 import torch
 
 from lrpe_hf import LinearAttention
+from lrpe_hf.training import tokenizer as train_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # Every encoding is tested with elu and with this second map; together they cover all five maps.
 SECOND_FEATURE_MAP = {
@@ -42,3 +47,22 @@ def make_layer(positional_encoding="none", hidden_size=16, num_heads=2, seed=0, 
 @pytest.fixture
 def rng():
     return torch.Generator().manual_seed(1234)
+
+
+# The run scripts' tests: a tiny model, and quiet runs that save nothing but the final model.
+TINY = ["--hidden_size", "32", "--num_hidden_layers", "2", "--num_attention_heads", "4", "--intermediate_size", "64"]
+QUIET = ["--report_to", "none", "--disable_tqdm", "true", "--save_strategy", "no", "--seed", "0"]
+
+
+@pytest.fixture(scope="session")
+def workspace(tmp_path_factory):
+    """A small corpus cut from the embedded Wikipedia leads and a tokenizer trained on it."""
+    folder = tmp_path_factory.mktemp("scripts")
+    lines = (ROOT / "data/wikipedia_leads/train.txt").read_text(encoding="utf-8").splitlines()
+    (folder / "train.txt").write_text("\n".join(lines[:300]) + "\n", encoding="utf-8")
+    (folder / "validation.txt").write_text("\n".join(lines[300:340]) + "\n", encoding="utf-8")
+    args = train_tokenizer.TokenizerArguments(
+        output_dir=str(folder / "tokenizer"), train_files=[str(folder / "train.txt")], vocab_size=600
+    )
+    train_tokenizer.train_tokenizer(args)
+    return folder

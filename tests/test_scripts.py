@@ -11,33 +11,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import QUIET, ROOT, TINY
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoModelForMaskedLM, AutoTokenizer
 
 from lrpe_hf.training import glue as run_glue
 from lrpe_hf.training import image_classification as run_image_classification
-from lrpe_hf.training import tokenizer as train_tokenizer
 from lrpe_hf.training.language_modeling import main as run_language_modeling
 
-ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow  # each test trains a small model through a run script
-
-TINY = ["--hidden_size", "32", "--num_hidden_layers", "2", "--num_attention_heads", "4", "--intermediate_size", "64"]
-QUIET = ["--report_to", "none", "--disable_tqdm", "true", "--save_strategy", "no", "--seed", "0"]
-
-
-@pytest.fixture(scope="module")
-def workspace(tmp_path_factory):
-    """A small corpus cut from the embedded Wikipedia leads and a tokenizer trained on it."""
-    folder = tmp_path_factory.mktemp("scripts")
-    lines = (ROOT / "data/wikipedia_leads/train.txt").read_text(encoding="utf-8").splitlines()
-    (folder / "train.txt").write_text("\n".join(lines[:300]) + "\n", encoding="utf-8")
-    (folder / "validation.txt").write_text("\n".join(lines[300:340]) + "\n", encoding="utf-8")
-    args = train_tokenizer.TokenizerArguments(
-        output_dir=str(folder / "tokenizer"), train_files=[str(folder / "train.txt")], vocab_size=600
-    )
-    train_tokenizer.train_tokenizer(args)
-    return folder
 
 
 def test_tokenizer_has_the_special_tokens_each_family_needs(workspace):
