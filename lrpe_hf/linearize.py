@@ -14,6 +14,8 @@ The config fields choose the attention (default: the family's, ``lrpe_orthogonal
 - ViT: the class token and the position table over the class token and the patches carry over.
 """
 
+import math
+
 import torch
 import transformers
 from transformers import AutoConfig
@@ -29,7 +31,7 @@ from .modeling.modeling_linear_roberta import (
     LinearRobertaForTokenClassification,
     LinearRobertaModel,
 )
-from .modeling.modeling_linear_vit import LinearViTForImageClassification, LinearViTModel
+from .modeling.modeling_linear_vit import LinearViTForImageClassification, LinearViTModel, patch_positions
 
 TARGETS = {
     "GPT2Model": LinearGPTModel,
@@ -314,7 +316,7 @@ def transfer_parameters(student) -> list:
     return [p for name, p in student.named_parameters() if p.requires_grad and any(part in name for part in names)]
 
 
-def attention_transfer_loss(student, hidden_states, attention_mask=None, loss: str = "output_mse"):
+def attention_transfer_loss(student, hidden_states, attention_mask=None, loss: str = "output_mse", position_ids=None):
     """How far each student layer's linear attention is from the teacher's softmax attention on the same inputs.
 
     ``hidden_states``: the teacher's inputs to each layer (``output_hidden_states``: one per layer, the last
@@ -324,6 +326,8 @@ def attention_transfer_loss(student, hidden_states, attention_mask=None, loss: s
     - ``attention_ce`` (Hedgehog): the cross-entropy from the teacher's attention rows to the student's
       normalised weights sum_t <A_s phi(q_s), B_t phi(k_t)> (only for encodings whose features stay
       non-negative).
+    ``position_ids``: as the student model takes them; by default the tokens' order (1D) or, for a LinearViT
+    student, the class token then a square grid of patches.
     Returns the mean over layers (a scalar).
     """
     if loss not in ("output_mse", "attention_ce"):
@@ -332,6 +336,8 @@ def attention_transfer_loss(student, hidden_states, attention_mask=None, loss: s
     layers = stack.layers
     mask = None if attention_mask is None else attention_mask.bool()
     draw = stack.shared_codes.draw(hidden_states[0].device) if stack.shared_codes is not None else None
+    if position_ids is None and student.config.position_dims == 2:
+        position_ids = square_patch_positions(hidden_states[0])
     total = 0.0
     for layer, hidden in zip(layers, hidden_states):
         attention = layer.self_attn
@@ -346,12 +352,12 @@ def attention_transfer_loss(student, hidden_states, attention_mask=None, loss: s
         teacher = logits.softmax(-1)
         if loss == "output_mse":
             target = attention.o_proj((teacher @ v).transpose(1, 2).reshape(B, N, -1))
-            output = attention(x, attention_mask=attention_mask, shared_draw=draw)
+            output = attention(x, attention_mask=attention_mask, position_ids=position_ids, shared_draw=draw)
             total = total + torch.nn.functional.mse_loss(output, target.detach())
             continue
         if attention.options.normalization != "denominator":
             raise ValueError("attention_ce needs non-negative weights: an encoding with the plain denominator")
-        positions = torch.arange(N, device=x.device)[None, :, None].expand(B, -1, -1)
+        positions = attention.positions(position_ids, mask, None, B, N, x.device)
         q, k = attention.positional_encoding.encode_query_key(q, k, positions, draw)
         features = attention.feature_map.features(q, k, mask, attention.options.causal)
         tq, tk = attention.positional_encoding.encode_features(features.query, features.key, positions)
@@ -361,3 +367,12 @@ def attention_transfer_loss(student, hidden_states, attention_mask=None, loss: s
         cross_entropy = -(teacher.detach() * student_rows.clamp_min(1e-12).log()).masked_fill(~allowed, 0.0).sum(-1)
         total = total + cross_entropy.masked_select(rows.expand_as(cross_entropy)).mean()
     return total / len(layers)
+
+
+def square_patch_positions(hidden) -> torch.Tensor:
+    """(B, N, 2) positions of a ViT's tokens, (B, N, hidden): the class token, then a square grid of patches."""
+    B, N, _ = hidden.shape
+    side = math.isqrt(N - 1)
+    if side * side != N - 1:
+        raise ValueError(f"{N - 1} patches do not form a square grid: pass position_ids (batch, tokens, 2)")
+    return patch_positions(side, side, hidden.device)[None].expand(B, -1, -1)
