@@ -1,0 +1,68 @@
+"""The linear-attention products, values and gradients, against their quadratic formulas (float64)."""
+
+import pytest
+import torch
+
+from lrpe_hf.modeling.attention_kernels import bidirectional_linear_attention, causal_linear_attention
+
+
+def quadratic_causal(q, k, v, log_gates, initial, resets):
+    """out_s = sum_{t<=s, same document} exp(G_s - G_t) (q_s . k_t) v_t + exp(G_s) q_s S_0 (S_0 only before the
+    first reset), and the final state, by explicit N x N products."""
+    N = q.shape[2]
+    G = log_gates.cumsum(-1) if log_gates is not None else q.new_zeros(q.shape[:3])
+    allowed = torch.ones(N, N, dtype=torch.bool).tril()[None, None]
+    reaches_start = torch.ones(q.shape[0], 1, N, dtype=torch.bool)
+    if resets is not None:
+        document = resets.long().cumsum(-1)[:, None]  # (B, 1, N)
+        allowed = allowed & (document[..., :, None] == document[..., None, :])
+        reaches_start = document == 0
+    weights = (G[..., :, None] - G[..., None, :]).exp() * allowed
+    out = ((q @ k.transpose(-1, -2)) * weights) @ v
+    to_end = (G[..., -1:] - G).exp() * (allowed[..., -1, :] if resets is not None else 1)
+    final = (k * to_end[..., None]).transpose(-1, -2) @ v
+    if initial is not None:
+        from_start = (G.exp() * reaches_start)[..., None]
+        out = out + (q * from_start) @ initial
+        final = final + initial * (G[..., -1:, None].exp() * reaches_start[..., -1:, None])
+    return out, final
+
+
+@pytest.mark.parametrize("chunk_size", [1, 4, 7, 64])
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("with_initial", [False, True])
+@pytest.mark.parametrize("with_resets", [False, True])
+def test_causal_values_and_gradients_equal_the_quadratic_formula(chunk_size, gated, with_initial, with_resets):
+    torch.manual_seed(0)
+    B, H, N, m, dv = 2, 3, 29, 5, 6
+    q, k = (torch.rand(B, H, N, m, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    v = torch.randn(B, H, N, dv, dtype=torch.float64, requires_grad=True)
+    gates = (-torch.rand(B, H, N, dtype=torch.float64)).requires_grad_() if gated else None
+    initial = torch.randn(B, H, m, dv, dtype=torch.float64, requires_grad=True) if with_initial else None
+    resets = (torch.rand(B, N) < 0.15) if with_resets else None
+    inputs = [x for x in (q, k, v, gates, initial) if x is not None]
+
+    out, final = causal_linear_attention(q, k, v, gates, initial, chunk_size, resets)
+    expected_out, expected_final = quadratic_causal(q, k, v, gates, initial, resets)
+    torch.testing.assert_close(out, expected_out, atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(final, expected_final, atol=1e-10, rtol=1e-10)
+    grad_out, grad_final = torch.randn_like(out), torch.randn_like(final)
+    for with_final in (True, False):  # the final state used downstream, or not
+        loss = (out * grad_out).sum() + with_final * (final * grad_final).sum()
+        expected_loss = (expected_out * grad_out).sum() + with_final * (expected_final * grad_final).sum()
+        grads = torch.autograd.grad(loss, inputs, retain_graph=True)
+        expected = torch.autograd.grad(expected_loss, inputs, retain_graph=True)
+        for got, want in zip(grads, expected):
+            torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10)
+
+
+def test_bidirectional_values_and_gradients_equal_the_quadratic_formula():
+    torch.manual_seed(0)
+    q, k = (torch.rand(2, 3, 17, 5, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    v = torch.randn(2, 3, 17, 6, dtype=torch.float64, requires_grad=True)
+    out = bidirectional_linear_attention(q, k, v)
+    expected = (q @ k.transpose(-1, -2)) @ v
+    torch.testing.assert_close(out, expected)
+    grad = torch.randn_like(out)
+    for got, want in zip(torch.autograd.grad(out, (q, k, v), grad), torch.autograd.grad(expected, (q, k, v), grad)):
+        torch.testing.assert_close(got, want)
