@@ -24,6 +24,7 @@ from transformers import (
 
 import lrpe_hf
 from lrpe_hf.training import linearization
+from lrpe_hf.training.language_modeling import main as run_language_modeling
 
 pytestmark = pytest.mark.slow  # each test trains small models through the script
 
@@ -36,9 +37,13 @@ def gpt2_teacher(workspace):
     tokenizer = AutoTokenizer.from_pretrained(workspace / "tokenizer")
     torch.manual_seed(0)
     config = GPT2Config(vocab_size=len(tokenizer), n_positions=64, n_embd=32, n_layer=2, n_head=4)
-    folder = workspace / "linearize_gpt2_teacher"
-    GPT2LMHeadModel(config).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
+    init = workspace / "linearize_gpt2_init"
+    GPT2LMHeadModel(config).save_pretrained(init)
+    tokenizer.save_pretrained(init)
+    folder = workspace / "linearize_gpt2_teacher"  # trained a little with run_clm, as the softmax teachers are
+    arguments = ["--model_name_or_path", str(init), "--train_file", str(workspace / "train.txt"), "--block_size", "32"]
+    run_language_modeling("clm", [*arguments, "--max_steps", "2", "--output_dir", str(folder), *QUIET])
+    assert "gpt2" in (folder / "README.md").read_text()  # Transformers' own card for a model of theirs
     return folder
 
 

@@ -20,8 +20,12 @@ class CardTrainer(Trainer):
         self.card_metrics = {}
 
     def create_model_card(self, **kwargs):
+        """The lrpe-hf card for LinearGPT / LinearRoberta / LinearViT; Transformers' own card for other models
+        (e.g. a softmax teacher trained with these scripts)."""
         if not self.is_world_process_zero():
             return
+        if not hasattr(self.accelerator.unwrap_model(self.model).config, "attention_options"):
+            return super().create_model_card(**kwargs)
         model_id = (
             self.hub_model_id
             if getattr(self, "hub_model_id", None)
