@@ -3,7 +3,7 @@ script's options; ``python run_scripts/<script>.py`` in a source checkout runs t
 
 import sys
 
-from .training import glue, image_classification, language_modeling, linearization, tokenizer
+from .training import compare, glue, image_classification, language_modeling, linearization, tokenizer
 
 SCRIPTS = {
     "train_tokenizer": ("train a byte-level BPE tokenizer on text files", tokenizer.main),
@@ -11,6 +11,7 @@ SCRIPTS = {
     "run_clm": ("train LinearGPT as a causal language model", lambda: language_modeling.main("clm")),
     "run_glue": ("fine-tune for sequence classification (GLUE or csv/json)", glue.main),
     "run_image_classification": ("train LinearViT on an image folder", image_classification.main),
+    "compare_encodings": ("compare positional encodings: sweeps, tables and plots (--preset NAME)", compare.main),
     "run_linearize": ("convert a GPT-2/RoBERTa/BERT/ViT checkpoint to linear attention", linearization.main),
 }
 

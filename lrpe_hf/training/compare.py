@@ -1,0 +1,486 @@
+"""Compare positional encodings: train the same model with each encoding (and baselines) under the same budget
+and seeds, through the run scripts' Trainer pipelines, and tabulate and plot the results.
+
+    python run_scripts/compare_encodings.py --preset lrpe_table2                      # a paper's comparison
+    python run_scripts/compare_encodings.py --task recall --encodings none,rope,lrpe_orthogonal,softmax:rope \
+        --seeds 3 --max_steps 300 --output_dir out/recall
+    python run_scripts/compare_encodings.py --task clm --encodings rope,permute --feature_maps elu,relu \
+        --train_file my_train.txt --validation_file my_valid.txt --eval_lengths 256,512
+
+Encodings: any registered ``positional_encoding`` (``lrpe_hf.POSITIONAL_ENCODINGS``); ``sinusoidal`` and
+``learned`` (no relative encoding, that absolute embedding); ``softmax:<name>`` (quadratic softmax attention with
+that encoding; feature maps do not apply). ``none`` is no position at all.
+
+Tasks: ``clm`` (LinearGPT, validation perplexity), ``mlm`` (LinearRoberta masked-LM pretraining, then fine-tuning
+on a sentence task: fine-tune accuracy and pretraining perplexity), ``image`` (LinearViT, accuracy), ``copy`` and
+``recall`` (LinearGPT on the synthetic tasks of ``lrpe_hf.training.synthetic``, accuracy on the answers).
+
+Settings come, from weakest to strongest, from the task's profile (``--profile quick``: sizes for 2 CPU cores;
+``full``: the papers' model sizes, for a GPU), the preset, and the flags given. Defaults use the embedded data
+(``data/``); ``--train_file``/``--validation_file``/``--dataset_name``, ``--finetune_*`` and ``--data_dir`` pass
+through to the pipelines as in the run scripts. Without ``--tokenizer_name``, text tasks train a BPE tokenizer
+into ``<output_dir>/tokenizer`` once.
+
+Presets (the papers' headline comparisons, at small scale):
+
+- ``lrpe_table2``: LRPE Table 2, autoregressive language modelling (WikiText-103 validation perplexity in the
+  paper; here the embedded Wikipedia leads): none, sinusoidal, learned, rope, permute, spe_sine, the three LRPE
+  types, fastrpb and softmax with rope.
+- ``lrpe_table1``: LRPE Table 1, bidirectional: RoBERTa masked-LM pretraining, then GLUE fine-tuning in the paper;
+  here masked-LM pretraining on the Wikipedia leads, then fine-tuning on the embedded tweet sentiment task. The
+  same encodings (every one has a bidirectional form; permute with r = 1).
+- ``image``: LRPE Table 3 (DeiT on ImageNet), PermuteFormer's and FastRPB's image results: LinearViT on the
+  embedded Fashion-MNIST subset (28 px, 4 px patches) with every 2D encoding, none, learned, and softmax with
+  learned absolute positions (ViT itself).
+- ``extrapolation``: train LinearGPT at 64 tokens, evaluate at 64 to 1024 (1x to 16x): perplexity against
+  evaluation length per encoding (``extrapolation.png``).
+- ``synthetic_copy``: output the token 4 positions back (content cannot tell which token that is).
+- ``synthetic_recall``: multi-query associative recall (find a key, read the value right after it).
+
+Outputs in ``--output_dir``: ``runs/<run>/`` (each run's own output: checkpoint, metrics, ``log.txt``,
+``result.json``), ``results.csv`` (one row per run), ``results.md`` (one row per encoding x feature map, mean +-
+std over seeds), ``metric_<name>.png``, ``loss_curves.png`` and, with ``--eval_lengths``, ``extrapolation.png``.
+
+Each run trains in a fresh process, forked from a server process that has already imported the libraries
+(``multiprocessing``'s forkserver): the run's peak resident memory is its own, its state (seeds, threads) starts
+clean, a crash cannot take the sweep down, and the import cost (seconds) is paid once per sweep, not per run. A
+run is finished when its ``result.json`` exists: a sweep run again with the same arguments skips finished runs
+and restarts unfinished ones from scratch.
+"""
+
+import multiprocessing
+import shutil
+import time
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+from transformers import HfArgumentParser
+
+from .. import LinearGPTConfig, LinearRobertaConfig, LinearViTConfig
+from ..modeling.attention_options import AttentionOptions
+from ..modeling.registry import POSITIONAL_ENCODINGS
+from . import compare_report
+from .arguments import ModelArguments, build_config
+from .compare_tasks import ABSOLUTE_BASELINES, RUNNERS, as_strings, execute_run, load_result, model_arguments
+from .tokenizer import TokenizerArguments, train_tokenizer
+
+TASKS = tuple(RUNNERS)
+PROFILES = ("quick", "full")
+DATA = Path(__file__).resolve().parents[2] / "data"
+
+TEXT_QUICK = dict(
+    hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=256, block_size=64, batch_size=16,
+    learning_rate=2e-3, warmup_steps=10, max_steps=60, max_eval_samples=100, tokenizer_vocab_size=2048,
+)  # fmt: skip
+TEXT_FULL = dict(  # the LRPE paper's autoregressive LM (Appendix E): 6 layers x 512, 8 heads, FFN 2048, 512 tokens
+    hidden_size=512, num_hidden_layers=6, num_attention_heads=8, intermediate_size=2048, block_size=512, batch_size=32,
+    learning_rate=5e-4, warmup_steps=2000, max_steps=50000, max_eval_samples=None, tokenizer_vocab_size=16384,
+)  # fmt: skip
+SYNTHETIC_QUICK = dict(
+    hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, block_size=64, batch_size=32,
+    learning_rate=3e-3, warmup_steps=20, max_steps=120, max_eval_samples=500,
+)  # fmt: skip
+SYNTHETIC_FULL = dict(
+    hidden_size=256, num_hidden_layers=4, num_attention_heads=4, intermediate_size=1024, block_size=256,
+    batch_size=64, learning_rate=1e-3, warmup_steps=500, max_steps=20000, max_eval_samples=2000,
+)  # fmt: skip
+
+# The task's settings in each profile (the weakest layer of settings).
+TASK_PROFILES = {
+    "clm": {"quick": TEXT_QUICK, "full": TEXT_FULL},
+    "mlm": {
+        "quick": dict(TEXT_QUICK, finetune_max_steps=40, finetune_max_eval_samples=500),
+        # the LRPE paper's bidirectional model is RoBERTa-base: 12 layers x 768, 12 heads, FFN 3072
+        "full": dict(
+            TEXT_FULL,
+            hidden_size=768,
+            num_hidden_layers=12,
+            num_attention_heads=12,
+            intermediate_size=3072,
+            max_steps=23000,
+            finetune_max_steps=3000,
+            finetune_max_eval_samples=None,
+        ),  # fmt: skip
+    },
+    "image": {
+        "quick": dict(
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=128,
+            batch_size=32,
+            learning_rate=2e-3,
+            warmup_steps=10,
+            max_steps=50,
+            max_eval_samples=None,
+            image_size=28,
+            patch_size=4,
+        ),  # fmt: skip
+        # the LRPE paper's image model is DeiT-small: 12 layers x 384, 6 heads, FFN 1536
+        "full": dict(
+            hidden_size=384,
+            num_hidden_layers=12,
+            num_attention_heads=6,
+            intermediate_size=1536,
+            batch_size=128,
+            learning_rate=5e-4,
+            warmup_steps=500,
+            max_steps=10000,
+            max_eval_samples=None,
+            image_size=28,
+            patch_size=4,
+        ),  # fmt: skip
+    },
+    "copy": {"quick": SYNTHETIC_QUICK, "full": SYNTHETIC_FULL},
+    "recall": {"quick": SYNTHETIC_QUICK, "full": SYNTHETIC_FULL},
+}
+
+TABLE2_ENCODINGS = [
+    "none", "sinusoidal", "learned", "rope", "permute", "spe_sine", "lrpe_unitary", "lrpe_orthogonal",
+    "lrpe_permutation", "fastrpb", "softmax:rope",
+]  # fmt: skip
+SYNTHETIC_ENCODINGS = [
+    "none", "learned", "rope", "permute", "spe_sine", "lrpe_orthogonal", "fastrpb", "softmax:rope",
+]  # fmt: skip
+
+# Each preset: the task, what it mirrors, its encodings, and per-profile settings over the task's profile.
+PRESETS = {
+    "lrpe_table2": dict(
+        task="clm",
+        mirrors="LRPE (Qin et al.) Table 2: autoregressive LM perplexity (WikiText-103); here the Wikipedia leads",
+        encodings=TABLE2_ENCODINGS,
+        quick={},
+        full={},
+    ),
+    "lrpe_table1": dict(
+        task="mlm",
+        mirrors="LRPE Table 1: bidirectional masked-LM pretraining, then GLUE fine-tuning; here the Wikipedia leads, "
+        "then tweet sentiment",
+        encodings=TABLE2_ENCODINGS,
+        quick={},
+        full={},
+    ),
+    "image": dict(
+        task="image",
+        mirrors="LRPE Table 3 (DeiT, ImageNet-1k), PermuteFormer's and FastRPB's image results; here LinearViT on "
+        "the Fashion-MNIST subset",
+        encodings=[
+            "none",
+            "learned",
+            "rope",
+            "permute",
+            "spe_sine",
+            "spe_conv",
+            "lrpe_unitary",
+            "lrpe_orthogonal",
+            "lrpe_permutation",
+            "fastrpb",
+            "softmax:learned",
+        ],  # fmt: skip
+        quick={},
+        full={},
+    ),
+    "extrapolation": dict(
+        task="clm",
+        mirrors="length extrapolation (RoFormer, PermuteFormer, FastRPB discuss it): train at one length, evaluate "
+        "at 1x to 16x",
+        encodings=["none", "sinusoidal", "rope", "permute", "spe_sine", "lrpe_orthogonal", "fastrpb", "softmax:rope"],
+        quick=dict(block_size=64, eval_lengths=[64, 128, 256, 512, 1024]),
+        full=dict(block_size=128, eval_lengths=[128, 256, 512, 1024, 2048]),
+    ),
+    "synthetic_copy": dict(
+        task="copy",
+        mirrors="a task only relative position solves: output the token 4 positions back",
+        encodings=SYNTHETIC_ENCODINGS,
+        quick={},
+        full={},
+    ),
+    "synthetic_recall": dict(
+        task="recall",
+        mirrors="multi-query associative recall (Zoology, H3): find the key, read the value after it",
+        encodings=SYNTHETIC_ENCODINGS,
+        quick={},
+        full={},
+    ),
+}
+
+# Settings every task starts from, under its profile.
+DEFAULTS = dict(
+    seeds=3,
+    logging_steps=10,
+    eval_lengths=[],
+    config_overrides=None,
+    dataset_name=None,
+    dataset_config=None,
+    text_column="text",
+    tokenizer_name=None,
+    finetune_task_name=None,
+    num_channels=1,
+    synthetic_vocab_size=32,
+    copy_lag=4,
+)
+SWEEP_FIELDS = ("preset", "profile", "task", "encodings", "feature_maps", "seeds", "output_dir")
+
+
+def help_for(text: str) -> dict:
+    return {"help": text}
+
+
+@dataclass
+class CompareArguments:
+    """Every setting left unset comes from the preset, else the task's profile (see the module docstring)."""
+
+    preset: str | None = field(default=None, metadata=help_for(f"one of {', '.join(PRESETS)}"))
+    profile: str = field(default="quick", metadata=help_for("quick (2 CPU cores) or full (the papers' sizes, GPU)"))
+    task: str | None = field(default=None, metadata=help_for(f"one of {', '.join(TASKS)}"))
+    encodings: str | None = field(
+        default=None, metadata=help_for("comma-separated: registered names, sinusoidal, learned, softmax:<name>")
+    )
+    feature_maps: str | None = field(default=None, metadata=help_for("comma-separated (default: the config's)"))
+    seeds: int | None = field(default=None, metadata=help_for("seeds 0..N-1 per encoding (default 3)"))
+    output_dir: str | None = field(default=None, metadata=help_for("default out/compare/<preset or task>"))
+    max_steps: int | None = field(default=None, metadata=help_for("training steps per run (pretraining for mlm)"))
+    hidden_size: int | None = field(default=None, metadata=help_for("model width"))
+    num_hidden_layers: int | None = field(default=None, metadata=help_for("layers"))
+    num_attention_heads: int | None = field(default=None, metadata=help_for("attention heads"))
+    intermediate_size: int | None = field(default=None, metadata=help_for("MLP width"))
+    block_size: int | None = field(default=None, metadata=help_for("training sequence length (text, synthetic)"))
+    batch_size: int | None = field(default=None, metadata=help_for("per-device batch size"))
+    learning_rate: float | None = field(default=None, metadata=help_for("peak learning rate (AdamW, linear decay)"))
+    warmup_steps: int | None = field(default=None, metadata=help_for("learning-rate warm-up steps"))
+    logging_steps: int | None = field(default=None, metadata=help_for("training loss logged every N steps"))
+    max_eval_samples: int | None = field(default=None, metadata=help_for("evaluation examples (blocks, images)"))
+    eval_lengths: str | None = field(
+        default=None, metadata=help_for("clm: comma-separated lengths to evaluate the trained model at")
+    )
+    config_overrides: str | None = field(default=None, metadata=help_for("JSON of further config fields, every run"))
+    train_file: str | None = field(default=None, metadata=help_for("clm/mlm text (default the Wikipedia leads)"))
+    validation_file: str | None = field(default=None, metadata=help_for("clm/mlm validation text"))
+    dataset_name: str | None = field(default=None, metadata=help_for("a Hub data set (online) for clm/mlm/image"))
+    dataset_config: str | None = field(default=None, metadata=help_for("the Hub data set's configuration"))
+    text_column: str | None = field(default=None, metadata=help_for("clm/mlm: the text column"))
+    tokenizer_name: str | None = field(default=None, metadata=help_for("default: trained into output_dir/tokenizer"))
+    tokenizer_vocab_size: int | None = field(default=None, metadata=help_for("vocabulary of that trained tokenizer"))
+    finetune_train_file: str | None = field(default=None, metadata=help_for("mlm: fine-tuning csv (tweet sentiment)"))
+    finetune_validation_file: str | None = field(default=None, metadata=help_for("mlm: fine-tuning validation csv"))
+    finetune_task_name: str | None = field(default=None, metadata=help_for("mlm: a GLUE task instead (online)"))
+    finetune_max_steps: int | None = field(default=None, metadata=help_for("mlm: fine-tuning steps"))
+    finetune_max_eval_samples: int | None = field(default=None, metadata=help_for("mlm: fine-tuning evaluation rows"))
+    data_dir: str | None = field(default=None, metadata=help_for("image: an imagefolder tree (Fashion-MNIST)"))
+    image_size: int | None = field(default=None, metadata=help_for("image: side in pixels"))
+    patch_size: int | None = field(default=None, metadata=help_for("image: patch side in pixels"))
+    num_channels: int | None = field(default=None, metadata=help_for("image: 1 grey-scale, 3 RGB"))
+    synthetic_vocab_size: int | None = field(default=None, metadata=help_for("copy: symbols; recall: keys"))
+    copy_lag: int | None = field(default=None, metadata=help_for("copy: the token this many positions back"))
+
+
+def argument_parser() -> HfArgumentParser:
+    return HfArgumentParser(CompareArguments)
+
+
+def split_names(text: str) -> list[str]:
+    return [name.strip() for name in text.split(",") if name.strip()]
+
+
+def encoding_names() -> list[str]:
+    """Every valid ``--encodings`` name."""
+    plain = [*POSITIONAL_ENCODINGS, *ABSOLUTE_BASELINES]
+    return plain + [f"softmax:{name}" for name in plain]
+
+
+def embedded(relative: str) -> str:
+    path = DATA / relative
+    if not path.exists():
+        raise FileNotFoundError(f"The embedded data {path} is missing (it ships with a source checkout): give the data")
+    return str(path)
+
+
+def resolve(args: CompareArguments) -> dict:
+    """The sweep's settings: the task's profile, then the preset, then the flags given."""
+    if args.profile not in PROFILES:
+        raise ValueError(f"Unknown --profile {args.profile!r}; valid values: {', '.join(PROFILES)}")
+    preset = {}
+    if args.preset is not None:
+        if args.preset not in PRESETS:
+            raise ValueError(f"Unknown --preset {args.preset!r}; valid presets: {', '.join(PRESETS)}")
+        preset = PRESETS[args.preset]
+    task = args.task or preset.get("task")
+    if task not in TASKS:
+        raise ValueError(f"Unknown or missing --task {task!r}; valid tasks: {', '.join(TASKS)}")
+    settings = dict(DEFAULTS, **TASK_PROFILES[task][args.profile])
+    if preset:
+        settings.update(encodings=preset["encodings"], **preset[args.profile])
+    given = {f.name: getattr(args, f.name) for f in fields(args) if getattr(args, f.name) is not None}
+    settings.update(given, task=task)
+    for name in ("encodings", "feature_maps"):
+        if isinstance(settings.get(name), str):
+            settings[name] = split_names(settings[name])
+    if isinstance(settings["eval_lengths"], str):
+        settings["eval_lengths"] = [int(length) for length in split_names(settings["eval_lengths"])]
+    settings.setdefault("feature_maps", [AttentionOptions().feature_map])
+    settings.setdefault("output_dir", f"out/compare/{args.preset or task}")
+    add_data_defaults(settings)
+    check(settings)
+    return settings
+
+
+def add_data_defaults(s: dict):
+    """The embedded data wherever the user gave none."""
+    task = s["task"]
+    if task in ("clm", "mlm") and not s["dataset_name"]:
+        s.setdefault("train_file", embedded("wikipedia_leads/train.txt"))
+        s.setdefault("validation_file", embedded("wikipedia_leads/validation.txt"))
+    if task == "mlm" and not s["finetune_task_name"]:
+        s.setdefault("finetune_train_file", embedded("tweet_sentiment/train.csv"))
+        s.setdefault("finetune_validation_file", embedded("tweet_sentiment/validation.csv"))
+    if task == "image" and not s["dataset_name"]:
+        s.setdefault("data_dir", embedded("fashion_mnist"))
+    for name in (
+        "train_file", "validation_file", "finetune_train_file", "finetune_validation_file", "data_dir", "block_size",
+        "image_size", "patch_size", "finetune_max_steps", "finetune_max_eval_samples", "tokenizer_vocab_size",
+    ):  # fmt: skip
+        s.setdefault(name, None)
+
+
+def check(s: dict):
+    if not s.get("encodings"):
+        raise ValueError("Give --encodings (comma-separated) or a --preset")
+    valid = encoding_names()
+    unknown = [name for name in s["encodings"] if name not in valid]
+    if unknown:
+        raise ValueError(f"Unknown encoding(s) {', '.join(unknown)}; valid names: {', '.join(valid)}")
+    if s["seeds"] < 1:
+        raise ValueError(f"--seeds must be at least 1, got {s['seeds']}")
+    if s["eval_lengths"] and s["task"] != "clm":
+        raise ValueError("--eval_lengths applies to --task clm (causal LM perplexity at other lengths)")
+
+
+def plan_runs(s: dict) -> list[dict]:
+    """One run per (seed, encoding, feature map), seed-major so that a partial sweep covers every encoding.
+    Softmax runs have no feature map (``-``)."""
+    run_settings = {name: value for name, value in s.items() if name not in SWEEP_FIELDS}
+    runs = []
+    for seed in range(s["seeds"]):
+        for encoding in s["encodings"]:
+            for feature_map in ["-"] if encoding.startswith("softmax:") else s["feature_maps"]:
+                parts = [encoding.replace(":", "_")] + ([] if feature_map == "-" else [feature_map])
+                name = "-".join([*parts, f"seed{seed}"])
+                runs.append(
+                    dict(
+                        task=s["task"],
+                        encoding=encoding,
+                        feature_map=feature_map,
+                        seed=seed,
+                        name=name,
+                        run_dir=str(Path(s["output_dir"]) / "runs" / name),
+                        settings=run_settings,
+                    )
+                )
+    return runs
+
+
+def check_configs(runs: list[dict]):
+    """Build each distinct model config before anything trains: an invalid combination fails now."""
+    family = {"clm": LinearGPTConfig, "copy": LinearGPTConfig, "recall": LinearGPTConfig}
+    family.update(mlm=LinearRobertaConfig, image=LinearViTConfig)
+    seen = set()
+    for run in runs:
+        key = (run["encoding"], run["feature_map"])
+        if key in seen:
+            continue
+        seen.add(key)
+        (model_args,) = HfArgumentParser(ModelArguments).parse_args_into_dataclasses(
+            args=as_strings(model_arguments(run))
+        )
+        image_fields = {}
+        if run["task"] == "image":
+            s = run["settings"]
+            image_fields = dict(image_size=s["image_size"], patch_size=s["patch_size"], num_channels=s["num_channels"])
+        try:
+            build_config(model_args, family[run["task"]], **image_fields)
+        except ValueError as error:
+            raise ValueError(f"{run['encoding']} with feature map {run['feature_map']}: {error}") from None
+
+
+def default_tokenizer(s: dict) -> Path | None:
+    """Text tasks without --tokenizer_name use a BPE tokenizer trained once into <output_dir>/tokenizer."""
+    if s["task"] not in ("clm", "mlm") or s["tokenizer_name"]:
+        return None
+    folder = Path(s["output_dir"]) / "tokenizer"
+    s["tokenizer_name"] = str(folder)
+    return folder
+
+
+def train_default_tokenizer(folder: Path, s: dict):
+    if (folder / "tokenizer.json").exists():
+        return
+    print(f"Training a {s['tokenizer_vocab_size']}-token BPE tokenizer into {folder}", flush=True)
+    args = TokenizerArguments(
+        output_dir=str(folder),
+        train_files=[s["train_file"]] if s["train_file"] else [],
+        dataset_name=s["dataset_name"],
+        dataset_config=s["dataset_config"],
+        text_column=s["text_column"],
+        vocab_size=s["tokenizer_vocab_size"],
+    )
+    train_tokenizer(args)
+
+
+def summary(result: dict) -> str:
+    metrics = ", ".join(f"{name} {value:.4g}" for name, value in result["metrics"].items())
+    return (
+        f"{metrics}; train {result['train_time_s']:.1f} s, {result['train_tokens_per_s']:,.0f} tokens/s, "
+        f"peak {result['peak_memory_mb']:,.0f} MB"
+    )
+
+
+def sweep(runs: list[dict], output_dir: Path) -> list[dict]:
+    """Run every unfinished run, each in a fresh process; print one line per run start and finish."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload([execute_run.__module__])
+    results = []
+    for index, run in enumerate(runs, 1):
+        tag, run_dir = f"[{index}/{len(runs)}] {run['name']}", Path(run["run_dir"])
+        result = load_result(run_dir)
+        if result is not None:
+            if result["settings"] != run["settings"]:
+                raise ValueError(
+                    f"{run_dir} was trained with other settings; use another --output_dir or delete that folder"
+                )
+            print(f"{tag}: finished earlier, skipped", flush=True)
+        else:
+            if run_dir.exists():
+                shutil.rmtree(run_dir)  # an unfinished run restarts from scratch
+            print(f"{tag}: started", flush=True)
+            start = time.time()
+            process = context.Process(target=execute_run, args=(run,))
+            process.start()
+            process.join()
+            result = load_result(run_dir)
+            if process.exitcode != 0 or result is None:
+                log = run_dir / "log.txt"
+                tail = log.read_text()[-3000:] if log.exists() else ""
+                raise RuntimeError(f"{tag} failed (exit code {process.exitcode}); the end of {log}:\n{tail}")
+            print(f"{tag}: finished in {time.time() - start:.1f} s: {summary(result)}", flush=True)
+        results.append(result)
+        compare_report.write_csv(output_dir / "results.csv", results)
+    return results
+
+
+def main(args=None):
+    (parsed,) = argument_parser().parse_args_into_dataclasses(args=None if args is None else as_strings(args))
+    settings = resolve(parsed)
+    tokenizer = default_tokenizer(settings)
+    runs = plan_runs(settings)
+    check_configs(runs)  # everything that can be wrong is checked before anything trains
+    output_dir = Path(settings["output_dir"])
+    output_dir.mkdir(parents=True, exist_ok=True)
+    if tokenizer:
+        train_default_tokenizer(tokenizer, settings)
+    preset = PRESETS.get(parsed.preset, {})
+    print(f"{len(runs)} runs of task {settings['task']} into {output_dir}", flush=True)
+    results = sweep(runs, output_dir)
+    title = f"Preset {parsed.preset}" if parsed.preset else f"Task {settings['task']}"
+    written = compare_report.write_report(output_dir, results, title, preset.get("mirrors", ""), settings)
+    print("Wrote " + ", ".join(str(path) for path in written), flush=True)
+    return results
