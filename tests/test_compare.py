@@ -1,0 +1,179 @@
+"""The encoding comparison tool: a tiny sweep end to end, resuming a killed sweep, the synthetic tasks, bad input."""
+
+import csv
+import json
+import math
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from lrpe_hf.training import compare
+from lrpe_hf.training import tokenizer as train_tokenizer
+from lrpe_hf.training.synthetic import copy_examples, recall_examples, synthetic_dataset
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = [
+    "--hidden_size", "16", "--num_hidden_layers", "1", "--num_attention_heads", "2", "--intermediate_size", "32",
+    "--batch_size", "4", "--max_steps", "2", "--warmup_steps", "0", "--logging_steps", "1", "--max_eval_samples", "8",
+]  # fmt: skip
+SWEEP = ["--task", "copy", "--encodings", "rope,softmax:rope", "--seeds", "2", "--block_size", "16", *TINY]
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory):
+    """A finished tiny sweep: 2 encodings (one a softmax baseline) x 2 seeds on the copy task."""
+    out = tmp_path_factory.mktemp("compare") / "sweep"
+    compare.main([*SWEEP, "--output_dir", out])
+    return out
+
+
+def read_csv(path: Path) -> list[dict]:
+    with open(path) as f:
+        return list(csv.DictReader(f))
+
+
+def test_tiny_sweep_writes_the_table_the_csv_and_the_plots(sweep):
+    rows = read_csv(sweep / "results.csv")
+    assert [(r["encoding"], r["feature_map"], r["seed"]) for r in rows] == [
+        ("rope", "elu", "0"), ("softmax:rope", "-", "0"), ("rope", "elu", "1"), ("softmax:rope", "-", "1"),
+    ]  # fmt: skip
+    for row in rows:
+        assert row["task"] == "copy"
+        for column in ("accuracy", "train_time_s", "train_tokens_per_s", "peak_memory_mb"):
+            assert math.isfinite(float(row[column])), (column, row)
+        assert 0 <= float(row["accuracy"]) <= 1 and float(row["peak_memory_mb"]) > 10
+
+    table = (sweep / "results.md").read_text().splitlines()
+    body = [line for line in table if line.startswith("| rope") or line.startswith("| softmax:rope")]
+    assert len(body) == 2
+    for line in body:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        mean, std = cells[2].split(" ± ")
+        accuracies = [float(r["accuracy"]) for r in rows if r["encoding"] == cells[0]]
+        assert float(mean) == pytest.approx(np.mean(accuracies), abs=1e-3)
+        assert float(std) == pytest.approx(np.std(accuracies, ddof=1), abs=1e-2)
+        assert cells[-1] == "2"  # seeds
+
+    for name in ("metric_accuracy.png", "loss_curves.png"):
+        assert (sweep / name).read_bytes()[:8] == PNG_SIGNATURE, name
+    for run in ("rope-elu-seed0", "softmax_rope-seed1"):
+        result = json.loads((sweep / "runs" / run / "result.json").read_text())
+        assert result["loss_curve"] and (sweep / "runs" / run / "model.safetensors").exists()
+
+
+def test_a_killed_sweep_resumes_without_retraining_finished_runs(sweep, tmp_path, capsys):
+    out = tmp_path / "sweep"
+    shutil.copytree(sweep, out)
+    killed = out / "runs" / "rope-elu-seed1"
+    (killed / "result.json").unlink()  # as if killed mid-run: a partial folder without its done marker
+    (killed / "stale.txt").write_text("left by the killed run")
+    finished = [out / "runs" / name / "result.json" for name in ("rope-elu-seed0", "softmax_rope-seed0")]
+    finished.append(out / "runs" / "softmax_rope-seed1" / "model.safetensors")
+    mtimes = [path.stat().st_mtime_ns for path in finished]
+
+    compare.main([*SWEEP, "--output_dir", out])
+
+    assert [path.stat().st_mtime_ns for path in finished] == mtimes
+    assert (killed / "result.json").exists() and not (killed / "stale.txt").exists()
+    assert len(read_csv(out / "results.csv")) == 4
+    printed = capsys.readouterr().out
+    assert printed.count("finished earlier, skipped") == 3
+    assert "[3/4] rope-elu-seed1: started" in printed and "[3/4] rope-elu-seed1: finished in" in printed
+
+
+def test_a_sweep_refuses_to_mix_runs_of_other_settings(sweep, tmp_path):
+    out = tmp_path / "sweep"
+    shutil.copytree(sweep, out)
+    with pytest.raises(ValueError, match="trained with other settings"):
+        compare.main([*SWEEP, "--learning_rate", "0.5", "--output_dir", out])
+
+
+def test_copy_labels_are_the_tokens_lag_positions_back():
+    lag, length = 3, 12
+    columns = copy_examples(5, length, vocab_size=7, lag=lag, seed=0)
+    for tokens, labels in zip(columns["input_ids"], columns["labels"]):
+        # labels[t] is the output after reading tokens 0..t-1: the token lag positions before t-1
+        expected = [tokens[t - 1 - lag] if t - 1 - lag >= 0 else -100 for t in range(length)]
+        assert labels.tolist() == expected
+    assert columns["input_ids"].min() >= 0 and columns["input_ids"].max() < 7
+
+
+def test_recall_labels_are_the_values_of_the_queried_keys():
+    vocab, length = 10, 24
+    pairs = length // 4
+    columns = recall_examples(20, length, vocab_size=vocab, seed=0)
+    for tokens, labels in zip(columns["input_ids"].tolist(), columns["labels"].tolist()):
+        keys, values = tokens[0 : 2 * pairs : 2], tokens[1 : 2 * pairs : 2]
+        assert len(set(keys)) == pairs and all(0 <= k < vocab for k in keys)
+        assert all(vocab <= v < 2 * vocab for v in values)
+        lookup = dict(zip(keys, values))
+        expected = [-100] * length
+        for position in range(2 * pairs, length, 2):  # query key, then its value
+            assert tokens[position] in lookup and tokens[position + 1] == lookup[tokens[position]]
+            expected[position + 1] = lookup[tokens[position]]
+        assert labels == expected
+
+
+def test_synthetic_datasets_are_seeded():
+    first = synthetic_dataset("recall", 4, 16, 8, lag=1, seed=3)
+    assert first.column_names == ["input_ids", "labels"]
+    assert first["input_ids"] == synthetic_dataset("recall", 4, 16, 8, lag=1, seed=3)["input_ids"]
+    assert first["input_ids"] != synthetic_dataset("recall", 4, 16, 8, lag=1, seed=4)["input_ids"]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--task", "copy", "--encodings", "rope,nosuch"], "Unknown encoding.*nosuch.*valid names: none, rope"),
+        (["--preset", "table9"], "Unknown --preset 'table9'; valid presets: lrpe_table2, lrpe_table1"),
+        (["--task", "translate", "--encodings", "rope"], "valid tasks: clm, mlm, image, copy, recall"),
+        (["--task", "copy", "--encodings", "rope", "--feature_maps", "nosuch"], "valid values: elu, relu"),
+        (["--task", "copy"], "Give --encodings"),
+        (["--task", "copy", "--encodings", "rope", "--profile", "huge"], "valid values: quick, full"),
+        (["--task", "copy", "--encodings", "rope", "--eval_lengths", "64"], "--eval_lengths applies to --task clm"),
+    ],
+)
+def test_bad_input_says_what_is_valid(args, message, tmp_path):
+    with pytest.raises(ValueError, match=message):
+        compare.main([*args, "--output_dir", tmp_path / "out"])
+    assert not (tmp_path / "out").exists()  # nothing ran
+
+
+@pytest.fixture(scope="module")
+def text_workspace(tmp_path_factory):
+    """A small slice of the Wikipedia leads and a tokenizer trained on it."""
+    folder = tmp_path_factory.mktemp("compare_text")
+    lines = (ROOT / "data/wikipedia_leads/train.txt").read_text(encoding="utf-8").splitlines()
+    (folder / "train.txt").write_text("\n".join(lines[:200]) + "\n", encoding="utf-8")
+    (folder / "validation.txt").write_text("\n".join(lines[200:260]) + "\n", encoding="utf-8")
+    args = train_tokenizer.TokenizerArguments(
+        output_dir=str(folder / "tokenizer"), train_files=[str(folder / "train.txt")], vocab_size=400
+    )
+    train_tokenizer.train_tokenizer(args)
+    return folder
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", list(compare.PRESETS))
+def test_every_preset_runs_end_to_end_at_a_tiny_size(preset, text_workspace, tmp_path):
+    """Each preset with its first encoding and its last (a baseline), one seed, a tiny model, two steps."""
+    encodings = compare.PRESETS[preset]["encodings"]
+    args = ["--preset", preset, "--encodings", f"{encodings[0]},{encodings[-1]}", "--seeds", "1", *TINY]
+    if compare.PRESETS[preset]["task"] in ("clm", "mlm"):
+        args += ["--tokenizer_name", text_workspace / "tokenizer", "--train_file", text_workspace / "train.txt"]
+        args += ["--validation_file", text_workspace / "validation.txt", "--block_size", "16"]
+        args += ["--finetune_max_steps", "2", "--finetune_max_eval_samples", "16"]
+    if preset == "extrapolation":
+        args += ["--eval_lengths", "16,32"]
+    if preset == "image":
+        args += ["--image_size", "8", "--patch_size", "4"]
+    results = compare.main([*args, "--output_dir", tmp_path / preset])
+    assert len(results) == 2
+    for result in results:
+        assert result["metrics"] and all(math.isfinite(v) for v in result["metrics"].values())
+    assert (tmp_path / preset / "results.md").exists()
+    if preset == "extrapolation":
+        assert (tmp_path / preset / "extrapolation.png").read_bytes()[:8] == PNG_SIGNATURE
