@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from lrpe_hf.training import glue, image_classification, language_modeling, tokenizer
+from lrpe_hf.training import glue, image_classification, language_modeling, linearization, tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow  # each snippet runs in a fresh interpreter
@@ -34,12 +34,12 @@ def test_readme_snippet_runs_as_written(index, tmp_path):
 def test_python_m_lrpe_hf_lists_the_scripts():
     result = subprocess.run([sys.executable, "-m", "lrpe_hf", "--help"], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0
-    for script in ("train_tokenizer", "run_mlm", "run_clm", "run_glue", "run_image_classification"):
+    for script in ("train_tokenizer", "run_mlm", "run_clm", "run_glue", "run_image_classification", "run_linearize"):
         assert script in result.stdout
     assert not result.stderr  # no warning on the way
 
 
-@pytest.mark.parametrize("module", [tokenizer, language_modeling, glue, image_classification])
+@pytest.mark.parametrize("module", [tokenizer, language_modeling, glue, image_classification, linearization])
 def test_script_help_is_grouped_and_explained(module):
     text = module.argument_parser().format_help()
     groups = re.findall(r"^(\w+): .*:$", text, flags=re.M)

@@ -59,7 +59,8 @@ class LinearizeArguments:
     transfer_steps: int = field(default=200, metadata={"help": "attention-transfer optimiser steps"})
     transfer_learning_rate: float = field(default=1e-2, metadata={"help": "attention-transfer learning rate"})
     stages: str = field(
-        default="attention_transfer,finetune", metadata={"help": f"comma-separated, among {', '.join(STAGES)}"}
+        default="attention_transfer,finetune",
+        metadata={"help": f"the stages to run, comma-separated: {', '.join(STAGES)}"},
     )
 
 
