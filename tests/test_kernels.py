@@ -1,9 +1,10 @@
-"""The linear-attention products, values and gradients, against their quadratic formulas (float64)."""
+"""The linear-attention products and the MLP, values and gradients, against their plain formulas (float64)."""
 
 import pytest
 import torch
 
 from lrpe_hf.modeling.attention_kernels import bidirectional_linear_attention, causal_linear_attention
+from lrpe_hf.modeling.transformer_layer import MLP
 
 
 def quadratic_causal(q, k, v, log_gates, initial, resets):
@@ -65,4 +66,18 @@ def test_bidirectional_values_and_gradients_equal_the_quadratic_formula():
     torch.testing.assert_close(out, expected)
     grad = torch.randn_like(out)
     for got, want in zip(torch.autograd.grad(out, (q, k, v), grad), torch.autograd.grad(expected, (q, k, v), grad)):
+        torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("activation", ["gelu", "relu", "silu"])
+def test_mlp_that_recomputes_its_activation_has_the_plain_gradients(activation):
+    torch.manual_seed(0)
+    mlp = MLP(6, 10, activation).double()
+    x = torch.randn(2, 5, 6, dtype=torch.float64, requires_grad=True)
+    out = mlp(x)
+    expected = mlp.fc2(mlp.activation(mlp.fc1(x)))
+    torch.testing.assert_close(out, expected)
+    grad = torch.randn_like(out)
+    inputs = (x, *mlp.parameters())
+    for got, want in zip(torch.autograd.grad(out, inputs, grad), torch.autograd.grad(expected, inputs, grad)):
         torch.testing.assert_close(got, want)

@@ -8,11 +8,36 @@ Weight names follow transformers' decoder conventions (``self_attn.{q,k,v,o}_pro
 default ``target_modules`` for q/v, and conversion scripts.
 """
 
+import torch
 from torch import nn
+from torch.nn import functional as F
 from transformers.activations import ACT2FN
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from .linear_attention import LinearAttention
+
+
+class ActivationThenLinear(torch.autograd.Function):
+    """linear(activation(h), weight, bias), saving h only: backward recomputes activation(h) (elementwise) instead
+    of keeping the intermediate-width activation alive, which halves the MLP's saved activations."""
+
+    @staticmethod
+    def forward(ctx, h, weight, bias, activation):
+        ctx.activation = activation
+        ctx.save_for_backward(h, weight)
+        return F.linear(activation(h), weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        h, weight = ctx.saved_tensors
+        with torch.enable_grad():
+            h = h.detach().requires_grad_()
+            activated = ctx.activation(h)
+        grad_h = torch.autograd.grad(activated, h, grad_out @ weight)[0] if ctx.needs_input_grad[0] else None
+        flat_grad, flat_activated = grad_out.flatten(0, -2), activated.detach().flatten(0, -2)
+        grad_weight = flat_grad.T @ flat_activated if ctx.needs_input_grad[1] else None
+        grad_bias = flat_grad.sum(0) if ctx.needs_input_grad[2] else None
+        return grad_h, grad_weight, grad_bias, None
 
 
 class MLP(nn.Module):
@@ -25,7 +50,11 @@ class MLP(nn.Module):
         self.fc2 = nn.Linear(intermediate_size, hidden_size)
 
     def forward(self, hidden_states):
-        return self.fc2(self.activation(self.fc1(hidden_states)))
+        h = self.fc1(hidden_states)
+        plain = type(self.fc2) is not nn.Linear or self.fc2._forward_hooks or self.fc2._forward_pre_hooks
+        if torch.is_grad_enabled() and not plain and not torch.is_autocast_enabled(h.device.type):
+            return ActivationThenLinear.apply(h, self.fc2.weight, self.fc2.bias, self.activation)
+        return self.fc2(self.activation(h))  # adapters or hooks on fc2, autocast: the plain path
 
 
 class LinearTransformerLayer(GradientCheckpointingLayer):
