@@ -29,7 +29,11 @@ class AttentionOptions:
     """Every option of :class:`LinearAttention` besides its size. ``None`` means "the default for this encoding"."""
 
     positional_encoding: str = option("none", "a registered positional encoding (lrpe_hf.POSITIONAL_ENCODINGS)")
-    feature_map: str | None = option(None, "linear attention's kernel feature map (lrpe_hf.FEATURE_MAPS); default elu")
+    feature_map: str | None = option(
+        None,
+        "linear attention's kernel feature map (lrpe_hf.FEATURE_MAPS); default: the encoding's paper's (elu; "
+        "relu for permute, exp for fastrpb)",
+    )
     attention: str = option("linear", "linear, or softmax (the quadratic baseline)")
     normalization: str | None = option(
         None,
@@ -59,8 +63,8 @@ class AttentionOptions:
     permute_decay: float | None = option(None, "permute: decay r in (0, 1]; causal default per head 0.88..0.99")
     permute_seed: int = option(0, "permute and lrpe_permutation: seed of the per-head random permutations")
     spe_realizations: int = option(32, "SPE: number of realizations R (query/key width)")
-    spe_sines: int = option(1, "spe_sine: number of sines K per dimension")
-    spe_kernel_size: int = option(64, "spe_conv: filter length")
+    spe_sines: int = option(10, "spe_sine: number of sines K per dimension (the paper's K = 10)")
+    spe_kernel_size: int = option(128, "spe_conv: filter length (the paper's 128)")
     spe_gated: bool = option(True, "SPE: learnable gates between the positional and a position-free code")
     spe_seed: int = option(0, "SPE: seed of the evaluation-mode draw")
     fastrpb_init_std: float = option(0.0, "fastrpb: standard deviation of the initial bias weights")
@@ -80,7 +84,7 @@ class AttentionOptions:
             if self.normalization is not None:
                 raise ValueError("normalization applies to linear attention only; softmax normalises by itself")
         else:
-            self.feature_map = self.feature_map or "elu"
+            self.feature_map = self.feature_map or encoding.default_feature_map
             lookup("feature_map", self.feature_map, FEATURE_MAP_REGISTRY)
             self.normalization = self.normalization or encoding.default_normalization
             self._choice("normalization", self.normalization, NORMALIZATIONS)

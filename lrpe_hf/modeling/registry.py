@@ -60,6 +60,7 @@ class PositionalEncodingEntry:
         supports_2d: it has a form for (row, col) positions of image patches.
         query_key_dim: ``query_key_dim(options, head_dim)``, the width of queries and keys after
             ``encode_query_key`` when the encoding changes it (SPE: its number of realizations); ``None``: head_dim.
+        default_feature_map: the feature map its paper pairs it with, used when ``feature_map`` is not set.
     """
 
     builder: Callable
@@ -69,6 +70,7 @@ class PositionalEncodingEntry:
     build_shared: Callable | None = None
     supports_2d: bool = True
     query_key_dim: Callable | None = None
+    default_feature_map: str = "elu"
 
     def width_of_queries_and_keys(self, options, head_dim: int) -> int:
         return self.query_key_dim(options, head_dim) if self.query_key_dim else head_dim
@@ -133,12 +135,14 @@ def register_positional_encoding(
     build_shared: Callable | None = None,
     supports_2d: bool = True,
     query_key_dim: Callable | None = None,
+    default_feature_map: str = "elu",
     overwrite: bool = False,
 ):
     """Make ``positional_encoding=name`` available to every config, layer and model family.
 
     ``builder(options, num_heads, head_dim, feature_dim)`` returns a ``PositionalEncoding``. The default
-    normalisation is ``unrotated_denominator`` for encodings with signed features and ``denominator`` otherwise.
+    normalisation is ``unrotated_denominator`` for encodings with signed features and ``denominator`` otherwise;
+    ``default_feature_map`` is used when a config leaves ``feature_map`` unset.
     """
     _check_new_name("positional encoding", name, POSITIONAL_ENCODING_REGISTRY, overwrite)
     if default_normalization is None:
@@ -148,7 +152,14 @@ def register_positional_encoding(
     if signed_features and default_normalization == "denominator":
         raise ValueError(f"{name!r} has signed features: its default normalisation cannot be 'denominator'")
     POSITIONAL_ENCODING_REGISTRY[name] = PositionalEncodingEntry(
-        builder, signed_features, default_normalization, needs_max_positions, build_shared, supports_2d, query_key_dim
+        builder,
+        signed_features,
+        default_normalization,
+        needs_max_positions,
+        build_shared,
+        supports_2d,
+        query_key_dim,
+        default_feature_map,
     )
 
 
@@ -233,7 +244,7 @@ register_positional_encoding(
     lambda o, h, d, m: LRPEPermutation.from_options(o, h, d, m, build_p_matrix(o, h, m)),
     signed_features=True,
 )
-register_positional_encoding("permute", PermutePositionalEncoding.from_options)
+register_positional_encoding("permute", PermutePositionalEncoding.from_options, default_feature_map="relu")  # eq. 15
 register_positional_encoding(
     "spe_sine",
     StochasticPositionalEncoding.from_options,
@@ -246,4 +257,6 @@ register_positional_encoding(
     build_shared=ConvSPECodes.from_options,
     query_key_dim=spe_width,
 )
-register_positional_encoding("fastrpb", FastRelativePositionBias.from_options, needs_max_positions=True)
+register_positional_encoding(  # with its paper's shift-invariant kernel, SIKF
+    "fastrpb", FastRelativePositionBias.from_options, needs_max_positions=True, default_feature_map="exp"
+)
