@@ -43,15 +43,19 @@ std over seeds), ``metric_<name>.png``, ``loss_curves.png`` and, with ``--eval_l
 
 Each run trains in a fresh process, forked from a server process that has already imported the libraries
 (``multiprocessing``'s forkserver): the run's peak resident memory is its own, its state (seeds, threads) starts
-clean, a crash cannot take the sweep down, and the import cost (seconds) is paid once per sweep, not per run. A
-run is finished when its ``result.json`` exists: a sweep run again with the same arguments skips finished runs
-and restarts unfinished ones from scratch.
+clean, a crash or a memory kill shows as that run's failure (with the end of its log), and the import cost (seconds)
+is paid once per sweep, not per run. ``--jobs N`` runs N at once, each with ``--threads`` torch threads (quick
+profile: two one-thread runs on 2 cores). A run is finished when its ``result.json`` exists: a sweep run again with
+the same arguments skips finished runs and restarts unfinished ones from scratch.
 """
 
 import multiprocessing
 import shutil
 import time
+from argparse import RawDescriptionHelpFormatter
+from collections import deque
 from dataclasses import dataclass, field, fields
+from multiprocessing.connection import wait
 from pathlib import Path
 
 from transformers import HfArgumentParser
@@ -204,6 +208,11 @@ PRESETS = {
     ),
 }
 
+# How a sweep uses the machine, per profile: runs at once, and torch threads per run (0: torch's default). Tiny
+# models gain nothing from a second thread, and two-thread runs on a busy 2-core machine slow down many-fold
+# (measured 8x: OpenMP threads wait on each other), so the quick profile runs two one-thread runs at once.
+MACHINE = {"quick": dict(jobs=2, threads=1), "full": dict(jobs=1, threads=0)}
+
 # Settings every task starts from, under its profile.
 DEFAULTS = dict(
     seeds=3,
@@ -219,7 +228,25 @@ DEFAULTS = dict(
     synthetic_vocab_size=32,
     copy_lag=4,
 )
-SWEEP_FIELDS = ("preset", "profile", "task", "encodings", "feature_maps", "seeds", "output_dir")
+SWEEP_FIELDS = ("preset", "profile", "task", "encodings", "feature_maps", "seeds", "output_dir", "jobs", "threads")
+# The settings each run depends on: those of every task, then the task's own.
+RUN_SETTINGS = (
+    "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "batch_size", "learning_rate",
+    "warmup_steps", "logging_steps", "max_steps", "max_eval_samples", "config_overrides",
+)  # fmt: skip
+TEXT_SETTINGS = (
+    "block_size", "train_file", "validation_file", "dataset_name", "dataset_config", "text_column",
+    "tokenizer_name", "tokenizer_vocab_size",
+)  # fmt: skip
+TASK_SETTINGS = {
+    "clm": TEXT_SETTINGS + ("eval_lengths",),
+    "mlm": TEXT_SETTINGS
+    + ("finetune_train_file", "finetune_validation_file", "finetune_task_name", "finetune_max_steps")
+    + ("finetune_max_eval_samples",),
+    "image": ("dataset_name", "dataset_config", "data_dir", "image_size", "patch_size", "num_channels"),
+    "copy": ("block_size", "synthetic_vocab_size", "copy_lag"),
+    "recall": ("block_size", "synthetic_vocab_size"),
+}
 
 
 def help_for(text: str) -> dict:
@@ -230,6 +257,8 @@ def help_for(text: str) -> dict:
 class CompareArguments:
     """Every setting left unset comes from the preset, else the task's profile (see the module docstring)."""
 
+    _argument_group_name = "comparison: the sweep, the model and training budget, the data"
+
     preset: str | None = field(default=None, metadata=help_for(f"one of {', '.join(PRESETS)}"))
     profile: str = field(default="quick", metadata=help_for("quick (2 CPU cores) or full (the papers' sizes, GPU)"))
     task: str | None = field(default=None, metadata=help_for(f"one of {', '.join(TASKS)}"))
@@ -238,6 +267,8 @@ class CompareArguments:
     )
     feature_maps: str | None = field(default=None, metadata=help_for("comma-separated (default: the config's)"))
     seeds: int | None = field(default=None, metadata=help_for("seeds 0..N-1 per encoding (default 3)"))
+    jobs: int | None = field(default=None, metadata=help_for("runs at once (quick: 2, full: 1)"))
+    threads: int | None = field(default=None, metadata=help_for("torch threads per run (quick: 1; 0: torch's)"))
     output_dir: str | None = field(default=None, metadata=help_for("default out/compare/<preset or task>"))
     max_steps: int | None = field(default=None, metadata=help_for("training steps per run (pretraining for mlm)"))
     hidden_size: int | None = field(default=None, metadata=help_for("model width"))
@@ -275,7 +306,7 @@ class CompareArguments:
 
 
 def argument_parser() -> HfArgumentParser:
-    return HfArgumentParser(CompareArguments)
+    return HfArgumentParser(CompareArguments, description=__doc__, formatter_class=RawDescriptionHelpFormatter)
 
 
 def split_names(text: str) -> list[str]:
@@ -307,10 +338,14 @@ def resolve(args: CompareArguments) -> dict:
     task = args.task or preset.get("task")
     if task not in TASKS:
         raise ValueError(f"Unknown or missing --task {task!r}; valid tasks: {', '.join(TASKS)}")
-    settings = dict(DEFAULTS, **TASK_PROFILES[task][args.profile])
+    settings = dict(DEFAULTS, **MACHINE[args.profile], **TASK_PROFILES[task][args.profile])
     if preset:
         settings.update(encodings=preset["encodings"], **preset[args.profile])
     given = {f.name: getattr(args, f.name) for f in fields(args) if getattr(args, f.name) is not None}
+    valid = RUN_SETTINGS + TASK_SETTINGS[task]
+    foreign = [name for name in given if name not in SWEEP_FIELDS + valid]
+    if foreign:
+        raise ValueError(f"Not a setting of task {task}: --{', --'.join(foreign)}; its settings: {', '.join(valid)}")
     settings.update(given, task=task)
     for name in ("encodings", "feature_maps"):
         if isinstance(settings.get(name), str):
@@ -349,16 +384,15 @@ def check(s: dict):
     unknown = [name for name in s["encodings"] if name not in valid]
     if unknown:
         raise ValueError(f"Unknown encoding(s) {', '.join(unknown)}; valid names: {', '.join(valid)}")
-    if s["seeds"] < 1:
-        raise ValueError(f"--seeds must be at least 1, got {s['seeds']}")
-    if s["eval_lengths"] and s["task"] != "clm":
-        raise ValueError("--eval_lengths applies to --task clm (causal LM perplexity at other lengths)")
+    for name in ("seeds", "jobs"):
+        if s[name] < 1:
+            raise ValueError(f"--{name} must be at least 1, got {s[name]}")
 
 
 def plan_runs(s: dict) -> list[dict]:
     """One run per (seed, encoding, feature map), seed-major so that a partial sweep covers every encoding.
     Softmax runs have no feature map (``-``)."""
-    run_settings = {name: value for name, value in s.items() if name not in SWEEP_FIELDS}
+    run_settings = {name: s.get(name) for name in RUN_SETTINGS + TASK_SETTINGS[s["task"]]}
     runs = []
     for seed in range(s["seeds"]):
         for encoding in s["encodings"]:
@@ -373,6 +407,7 @@ def plan_runs(s: dict) -> list[dict]:
                         seed=seed,
                         name=name,
                         run_dir=str(Path(s["output_dir"]) / "runs" / name),
+                        threads=s["threads"],
                         settings=run_settings,
                     )
                 )
@@ -434,37 +469,50 @@ def summary(result: dict) -> str:
     )
 
 
-def sweep(runs: list[dict], output_dir: Path) -> list[dict]:
-    """Run every unfinished run, each in a fresh process; print one line per run start and finish."""
+def finished_result(run: dict) -> dict | None:
+    """The run's result if it finished earlier (with the same settings), else None."""
+    result = load_result(Path(run["run_dir"]))
+    if result is not None and result["settings"] != run["settings"]:
+        raise ValueError(f"{run['run_dir']} was trained with other settings; use another --output_dir or delete it")
+    return result
+
+
+def sweep(runs: list[dict], output_dir: Path, jobs: int) -> list[dict]:
+    """Run every unfinished run, each in a fresh process, ``jobs`` at a time; print one line per run start and
+    finish, and rewrite results.csv after each."""
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload([execute_run.__module__])
-    results = []
+    results, waiting, active = {}, deque(), {}
     for index, run in enumerate(runs, 1):
-        tag, run_dir = f"[{index}/{len(runs)}] {run['name']}", Path(run["run_dir"])
-        result = load_result(run_dir)
-        if result is not None:
-            if result["settings"] != run["settings"]:
-                raise ValueError(
-                    f"{run_dir} was trained with other settings; use another --output_dir or delete that folder"
-                )
-            print(f"{tag}: finished earlier, skipped", flush=True)
+        result = finished_result(run)
+        if result is None:
+            waiting.append((index, run))
         else:
-            if run_dir.exists():
-                shutil.rmtree(run_dir)  # an unfinished run restarts from scratch
-            print(f"{tag}: started", flush=True)
-            start = time.time()
+            results[index] = result
+            print(f"[{index}/{len(runs)}] {run['name']}: finished earlier, skipped", flush=True)
+    while waiting or active:
+        while waiting and len(active) < jobs:
+            index, run = waiting.popleft()
+            if Path(run["run_dir"]).exists():
+                shutil.rmtree(run["run_dir"])  # an unfinished run restarts from scratch
+            print(f"[{index}/{len(runs)}] {run['name']}: started", flush=True)
             process = context.Process(target=execute_run, args=(run,))
             process.start()
+            active[process.sentinel] = (index, run, process, time.time())
+        for sentinel in wait(list(active)):
+            index, run, process, start = active.pop(sentinel)
             process.join()
-            result = load_result(run_dir)
+            tag, result = f"[{index}/{len(runs)}] {run['name']}", load_result(Path(run["run_dir"]))
             if process.exitcode != 0 or result is None:
-                log = run_dir / "log.txt"
+                for _, _, other, _ in active.values():
+                    other.terminate()  # left unfinished: a rerun restarts them
+                log = Path(run["run_dir"]) / "log.txt"
                 tail = log.read_text()[-3000:] if log.exists() else ""
                 raise RuntimeError(f"{tag} failed (exit code {process.exitcode}); the end of {log}:\n{tail}")
             print(f"{tag}: finished in {time.time() - start:.1f} s: {summary(result)}", flush=True)
-        results.append(result)
-        compare_report.write_csv(output_dir / "results.csv", results)
-    return results
+            results[index] = result
+            compare_report.write_csv(output_dir / "results.csv", [results[i] for i in sorted(results)])
+    return [results[i] for i in sorted(results)]
 
 
 def main(args=None):
@@ -479,8 +527,9 @@ def main(args=None):
         train_default_tokenizer(tokenizer, settings)
     preset = PRESETS.get(parsed.preset, {})
     print(f"{len(runs)} runs of task {settings['task']} into {output_dir}", flush=True)
-    results = sweep(runs, output_dir)
+    results = sweep(runs, output_dir, settings["jobs"])
     title = f"Preset {parsed.preset}" if parsed.preset else f"Task {settings['task']}"
-    written = compare_report.write_report(output_dir, results, title, preset.get("mirrors", ""), settings)
+    shown = {"seeds": settings["seeds"], "feature_maps": ",".join(settings["feature_maps"]), **runs[0]["settings"]}
+    written = compare_report.write_report(output_dir, results, title, preset.get("mirrors", ""), shown)
     print("Wrote " + ", ".join(str(path) for path in written), flush=True)
     return results

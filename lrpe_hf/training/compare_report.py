@@ -63,7 +63,7 @@ def write_markdown(path: Path, results: list[dict], title: str, mirrors: str, se
     lines = [f"# {title}", ""]
     if mirrors:
         lines += [f"Mirrors: {mirrors}.", ""]
-    shown = {k: v for k, v in settings.items() if k not in ("encodings", "output_dir") and v not in (None, [])}
+    shown = {k: v for k, v in settings.items() if v not in (None, [])}
     lines += ["Settings: " + ", ".join(f"{k}={v}" for k, v in shown.items()) + ".", ""]
     lines += ["Mean ± sample standard deviation over seeds.", ""]
     header = ["encoding", "feature map", *(n + direction(n) for n in names)]
@@ -145,6 +145,6 @@ def write_report(output_dir: Path, results: list[dict], title: str, mirrors: str
     names = [name for name in metric_names(results) if not name.startswith(LENGTH_PREFIX)]  # those: extrapolation
     written += [plot_metric(output_dir / f"metric_{name}.png", results, name) for name in names]
     written.append(plot_loss_curves(output_dir / "loss_curves.png", results))
-    if settings["eval_lengths"]:
+    if settings.get("eval_lengths"):
         written.append(plot_extrapolation(output_dir / "extrapolation.png", results, settings["eval_lengths"]))
     return written

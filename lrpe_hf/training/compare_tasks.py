@@ -19,6 +19,7 @@ import resource
 import sys
 from pathlib import Path
 
+import torch
 from datasets import DatasetDict
 from transformers import (
     AutoModelForCausalLM,
@@ -59,7 +60,7 @@ def model_arguments(run: dict) -> list[str]:
     for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"):
         args += [f"--{name}", s[name]]
     if run["task"] != "image":  # learned tables and FastRPB's span cover the longest evaluation length
-        args += ["--max_position_embeddings", max([s["block_size"], *s["eval_lengths"]])]
+        args += ["--max_position_embeddings", max([s["block_size"], *s.get("eval_lengths", [])])]
     if s["config_overrides"]:
         args += ["--config_overrides", s["config_overrides"]]
     return args
@@ -161,7 +162,8 @@ def run_image(run: dict, run_dir: Path) -> dict:
 def run_synthetic(run: dict, run_dir: Path) -> dict:
     s = run["settings"]
     data = ["--task", run["task"], "--sequence_length", s["block_size"], "--vocab_size", s["synthetic_vocab_size"]]
-    data += ["--copy_lag", s["copy_lag"], "--num_train_examples", s["max_steps"] * s["batch_size"]]
+    data += ["--num_train_examples", s["max_steps"] * s["batch_size"]]
+    data += ["--copy_lag", s["copy_lag"]] if run["task"] == "copy" else []
     data += ["--num_eval_examples", s["max_eval_samples"] or 1000]
     training = training_arguments(run, run_dir, s["max_steps"])
     metrics = synthetic.main(as_strings([*data, *model_arguments(run), *training]))
@@ -198,12 +200,15 @@ def execute_run(run: dict):
     log = open(run_dir / "log.txt", "w")
     os.dup2(log.fileno(), sys.stdout.fileno())
     os.dup2(log.fileno(), sys.stderr.fileno())
+    if run["threads"]:
+        torch.set_num_threads(run["threads"])
     task = run["task"]
     metrics = RUNNERS[task](run, run_dir)
     first_phase = run_dir / "pretrain" if task == "mlm" else run_dir
     seconds, samples_per_second, curve = training_figures(first_phase / "trainer_state.json")
     if task == "mlm":
         seconds += training_figures(run_dir / "finetune" / "trainer_state.json")[0]
+    usage = resource.getrusage(resource.RUSAGE_SELF)
     result = {
         "task": task,
         "encoding": run["encoding"],
@@ -212,7 +217,8 @@ def execute_run(run: dict):
         "metrics": metrics,
         "train_time_s": seconds,
         "train_tokens_per_s": samples_per_second * tokens_per_example(task, run["settings"]),
-        "peak_memory_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "peak_memory_mb": usage.ru_maxrss / 1024,
+        "process_cpu_s": usage.ru_utime + usage.ru_stime,  # with the wall time: how contended the machine was
         "loss_curve": curve,
         "settings": run["settings"],
     }

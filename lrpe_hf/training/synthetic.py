@@ -104,6 +104,7 @@ def argument_parser() -> HfArgumentParser:
 def main(args=None):
     parser = argument_parser()
     model_args, data_args, training_args = parse_script_arguments(parser, args)
+    training_args.include_num_input_tokens_seen = "all"  # no padding: every token counts
     if model_args.model_name_or_path:
         raise ValueError("The synthetic tasks train a new LinearGPT: leave --model_name_or_path unset")
     sizes = (data_args.sequence_length, data_args.vocab_size, data_args.copy_lag)
