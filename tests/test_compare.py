@@ -3,13 +3,14 @@
 import csv
 import json
 import math
+import re
 import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from lrpe_hf.training import compare
+from lrpe_hf.training import compare, synthetic
 from lrpe_hf.training import tokenizer as train_tokenizer
 from lrpe_hf.training.synthetic import copy_examples, recall_examples, synthetic_dataset
 
@@ -133,7 +134,10 @@ def test_synthetic_datasets_are_seeded():
         (["--task", "copy", "--encodings", "rope", "--feature_maps", "nosuch"], "valid values: elu, relu"),
         (["--task", "copy"], "Give --encodings"),
         (["--task", "copy", "--encodings", "rope", "--profile", "huge"], "valid values: quick, full"),
-        (["--task", "copy", "--encodings", "rope", "--eval_lengths", "64"], "--eval_lengths applies to --task clm"),
+        (
+            ["--task", "copy", "--encodings", "rope", "--eval_lengths", "64"],
+            "Not a setting of task copy: --eval_lengths",
+        ),
     ],
 )
 def test_bad_input_says_what_is_valid(args, message, tmp_path):
@@ -162,10 +166,14 @@ def test_every_preset_runs_end_to_end_at_a_tiny_size(preset, text_workspace, tmp
     """Each preset with its first encoding and its last (a baseline), one seed, a tiny model, two steps."""
     encodings = compare.PRESETS[preset]["encodings"]
     args = ["--preset", preset, "--encodings", f"{encodings[0]},{encodings[-1]}", "--seeds", "1", *TINY]
-    if compare.PRESETS[preset]["task"] in ("clm", "mlm"):
+    task = compare.PRESETS[preset]["task"]
+    if task in ("clm", "mlm"):
         args += ["--tokenizer_name", text_workspace / "tokenizer", "--train_file", text_workspace / "train.txt"]
-        args += ["--validation_file", text_workspace / "validation.txt", "--block_size", "16"]
+        args += ["--validation_file", text_workspace / "validation.txt"]
+    if task == "mlm":
         args += ["--finetune_max_steps", "2", "--finetune_max_eval_samples", "16"]
+    if task != "image":
+        args += ["--block_size", "16"]
     if preset == "extrapolation":
         args += ["--eval_lengths", "16,32"]
     if preset == "image":
@@ -177,3 +185,14 @@ def test_every_preset_runs_end_to_end_at_a_tiny_size(preset, text_workspace, tmp
     assert (tmp_path / preset / "results.md").exists()
     if preset == "extrapolation":
         assert (tmp_path / preset / "extrapolation.png").read_bytes()[:8] == PNG_SIGNATURE
+
+
+@pytest.mark.parametrize("module", [compare, synthetic])
+def test_help_is_grouped_and_every_option_explained(module):
+    text = module.argument_parser().format_help()
+    groups = re.findall(r"^(\w+): .*:$", text, flags=re.M)
+    assert groups, "options come in named groups"
+    ours = text.split(f"{groups[0]}: ")[1]
+    options = re.findall(r"^  (--\w+)", ours, flags=re.M)
+    undocumented = [o for o in options if re.search(rf"^  {o}[^\n]*\n\s+\(default", ours, flags=re.M)]
+    assert options and not undocumented, undocumented
