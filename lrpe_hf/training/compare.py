@@ -9,7 +9,8 @@ and seeds, through the run scripts' Trainer pipelines, and tabulate and plot the
 
 Encodings: any registered ``positional_encoding`` (``lrpe_hf.POSITIONAL_ENCODINGS``); ``sinusoidal`` and
 ``learned`` (no relative encoding, that absolute embedding); ``softmax:<name>`` (quadratic softmax attention with
-that encoding; feature maps do not apply). ``none`` is no position at all.
+that encoding; feature maps do not apply). ``none`` is no position at all. Without ``--feature_maps`` each
+encoding gets the feature map its config picks by default (its paper's: relu for permute, exp for fastrpb).
 
 Tasks: ``clm`` (LinearGPT, validation perplexity), ``mlm`` (LinearRoberta masked-LM pretraining, then fine-tuning
 on a sentence task: fine-tune accuracy and pretraining perplexity), ``image`` (LinearViT, accuracy), ``copy`` and
@@ -61,8 +62,7 @@ from pathlib import Path
 from transformers import HfArgumentParser
 
 from .. import LinearGPTConfig, LinearRobertaConfig, LinearViTConfig
-from ..modeling.attention_options import AttentionOptions
-from ..modeling.registry import POSITIONAL_ENCODINGS
+from ..modeling.registry import POSITIONAL_ENCODINGS, positional_encoding_entry
 from . import compare_report
 from .arguments import ModelArguments, build_config
 from .compare_tasks import ABSOLUTE_BASELINES, RUNNERS, as_strings, execute_run, load_result, model_arguments
@@ -265,7 +265,9 @@ class CompareArguments:
     encodings: str | None = field(
         default=None, metadata=help_for("comma-separated: registered names, sinusoidal, learned, softmax:<name>")
     )
-    feature_maps: str | None = field(default=None, metadata=help_for("comma-separated (default: the config's)"))
+    feature_maps: str | None = field(
+        default=None, metadata=help_for("comma-separated (default: each encoding's own, as its config picks)")
+    )
     seeds: int | None = field(default=None, metadata=help_for("seeds 0..N-1 per encoding (default 3)"))
     jobs: int | None = field(default=None, metadata=help_for("runs at once (quick: 2, full: 1)"))
     threads: int | None = field(default=None, metadata=help_for("torch threads per run (quick: 1; 0: torch's)"))
@@ -352,7 +354,7 @@ def resolve(args: CompareArguments) -> dict:
             settings[name] = split_names(settings[name])
     if isinstance(settings["eval_lengths"], str):
         settings["eval_lengths"] = [int(length) for length in split_names(settings["eval_lengths"])]
-    settings.setdefault("feature_maps", [AttentionOptions().feature_map])
+    settings.setdefault("feature_maps", None)
     settings.setdefault("output_dir", f"out/compare/{args.preset or task}")
     add_data_defaults(settings)
     check(settings)
@@ -389,6 +391,12 @@ def check(s: dict):
             raise ValueError(f"--{name} must be at least 1, got {s[name]}")
 
 
+def default_feature_map(encoding: str) -> str:
+    """The feature map a config picks for ``encoding`` when none is given (its paper's)."""
+    name = encoding.removeprefix("softmax:")
+    return positional_encoding_entry("none" if name in ABSOLUTE_BASELINES else name).default_feature_map
+
+
 def plan_runs(s: dict) -> list[dict]:
     """One run per (seed, encoding, feature map), seed-major so that a partial sweep covers every encoding.
     Softmax runs have no feature map (``-``)."""
@@ -396,7 +404,11 @@ def plan_runs(s: dict) -> list[dict]:
     runs = []
     for seed in range(s["seeds"]):
         for encoding in s["encodings"]:
-            for feature_map in ["-"] if encoding.startswith("softmax:") else s["feature_maps"]:
+            if encoding.startswith("softmax:"):
+                feature_maps = ["-"]
+            else:
+                feature_maps = s["feature_maps"] or [default_feature_map(encoding)]
+            for feature_map in feature_maps:
                 parts = [encoding.replace(":", "_")] + ([] if feature_map == "-" else [feature_map])
                 name = "-".join([*parts, f"seed{seed}"])
                 runs.append(
@@ -529,7 +541,8 @@ def main(args=None):
     print(f"{len(runs)} runs of task {settings['task']} into {output_dir}", flush=True)
     results = sweep(runs, output_dir, settings["jobs"])
     title = f"Preset {parsed.preset}" if parsed.preset else f"Task {settings['task']}"
-    shown = {"seeds": settings["seeds"], "feature_maps": ",".join(settings["feature_maps"]), **runs[0]["settings"]}
+    feature_maps = ",".join(settings["feature_maps"] or ["each encoding's default"])
+    shown = {"seeds": settings["seeds"], "feature_maps": feature_maps, **runs[0]["settings"]}
     written = compare_report.write_report(output_dir, results, title, preset.get("mirrors", ""), shown)
     print("Wrote " + ", ".join(str(path) for path in written), flush=True)
     return results
