@@ -81,7 +81,8 @@ class LinearPreTrainedModel(PreTrainedModel):
 
     supports_gradient_checkpointing = True
     _no_split_modules = ["LinearTransformerLayer"]
-    _supports_sdpa = True
+    # No _supports_sdpa: attn_implementation does not choose anything here (the attention path is
+    # config.attention; its softmax baseline always runs through SDPA), so the models stay on "eager".
 
     def _init_weights(self, module):
         std = self.config.initializer_range
