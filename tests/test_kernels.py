@@ -1,9 +1,10 @@
-"""The linear-attention products and the MLP, values and gradients, against their plain formulas (float64)."""
+"""The linear-attention products, the MLP and the elu feature map: values and gradients against plain formulas."""
 
 import pytest
 import torch
 
 from lrpe_hf.modeling.attention_kernels import bidirectional_linear_attention, causal_linear_attention
+from lrpe_hf.modeling.feature_maps import EluFeatureMap
 from lrpe_hf.modeling.transformer_layer import MLP
 
 
@@ -29,18 +30,20 @@ def quadratic_causal(q, k, v, log_gates, initial, resets):
     return out, final
 
 
-@pytest.mark.parametrize("chunk_size", [1, 4, 7, 64])
+@pytest.mark.parametrize("num_tokens, chunk_size", [(29, 1), (29, 4), (29, 7), (29, 64), (1, 64)])
 @pytest.mark.parametrize("gated", [False, True])
 @pytest.mark.parametrize("with_initial", [False, True])
 @pytest.mark.parametrize("with_resets", [False, True])
-def test_causal_values_and_gradients_equal_the_quadratic_formula(chunk_size, gated, with_initial, with_resets):
+def test_causal_values_and_gradients_equal_the_quadratic_formula(
+    num_tokens, chunk_size, gated, with_initial, with_resets
+):
     torch.manual_seed(0)
-    B, H, N, m, dv = 2, 3, 29, 5, 6
+    B, H, N, m, dv = 2, 3, num_tokens, 5, 6
     q, k = (torch.rand(B, H, N, m, dtype=torch.float64, requires_grad=True) for _ in range(2))
     v = torch.randn(B, H, N, dv, dtype=torch.float64, requires_grad=True)
     gates = (-torch.rand(B, H, N, dtype=torch.float64)).requires_grad_() if gated else None
     initial = torch.randn(B, H, m, dv, dtype=torch.float64, requires_grad=True) if with_initial else None
-    resets = (torch.rand(B, N) < 0.15) if with_resets else None
+    resets = (torch.rand(B, N) < (0.15 if N > 1 else 0.5)) if with_resets else None
     inputs = [x for x in (q, k, v, gates, initial) if x is not None]
 
     out, final = causal_linear_attention(q, k, v, gates, initial, chunk_size, resets)
@@ -51,7 +54,7 @@ def test_causal_values_and_gradients_equal_the_quadratic_formula(chunk_size, gat
     for with_final in (True, False):  # the final state used downstream, or not
         loss = (out * grad_out).sum() + with_final * (final * grad_final).sum()
         expected_loss = (expected_out * grad_out).sum() + with_final * (expected_final * grad_final).sum()
-        grads = torch.autograd.grad(loss, inputs, retain_graph=True)
+        grads = torch.autograd.grad(loss, inputs, retain_graph=True, materialize_grads=True)  # a first gate is unused
         expected = torch.autograd.grad(expected_loss, inputs, retain_graph=True)
         for got, want in zip(grads, expected):
             torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10)
@@ -81,3 +84,15 @@ def test_mlp_that_recomputes_its_activation_has_the_plain_gradients(activation):
     inputs = (x, *mlp.parameters())
     for got, want in zip(torch.autograd.grad(out, inputs, grad), torch.autograd.grad(expected, inputs, grad)):
         torch.testing.assert_close(got, want)
+
+
+def test_shifted_elu_feature_map_is_contiguous_with_the_plain_gradient():
+    torch.manual_seed(0)
+    x = torch.randn(2, 7, 3, 5, dtype=torch.float64).transpose(1, 2).requires_grad_()  # heads not leading
+    x.data[0, 0, 0, :2] = 0.0  # the kink at 0: derivative 1
+    out = EluFeatureMap(5)(x)
+    expected = torch.nn.functional.elu(x) + 1.0
+    assert out.is_contiguous()
+    torch.testing.assert_close(out, expected)
+    grad = torch.randn_like(out)
+    torch.testing.assert_close(torch.autograd.grad(out, x, grad)[0], torch.autograd.grad(expected, x, grad)[0])

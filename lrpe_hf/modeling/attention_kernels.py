@@ -90,6 +90,15 @@ def causal_linear_attention(q, k, v, log_gates=None, initial_state=None, chunk_s
     C = max(1, min(chunk_size or default_chunk_size(N), N))
     if resets is not None and log_gates is None:
         log_gates = q.new_zeros(B, H, N, dtype=torch.promote_types(q.dtype, torch.float32))
+    if N == 1:  # one decoding step, in its recurrent form: S = exp(g) S_0 + k^T v (no S_0 after a reset), out = q S
+        state = k.transpose(-1, -2) @ v
+        if initial_state is not None:
+            previous = initial_state.to(state.dtype)
+            if log_gates is not None:
+                keep = log_gates.exp() if resets is None else log_gates.exp().masked_fill(resets[:, None], 0.0)
+                previous = previous * keep[..., None].to(state.dtype)
+            state = state + previous
+        return q @ state, state
     pad = (-N) % C
     if pad:
         q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))

@@ -62,11 +62,27 @@ class FeatureMap(Reinitialisable):
         return Features(self(q), fk)
 
 
+class ShiftedElu(torch.autograd.Function):
+    """1 + elu(x), contiguous whatever the layout of x (heads-first, as the attention products want them: the one
+    layout copy happens here), saving only its output: the derivative is min(1 + elu(x), 1)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        out = F.elu_(x.clone(memory_format=torch.contiguous_format)).add_(1.0)
+        ctx.save_for_backward(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        (out,) = ctx.saved_tensors
+        return grad * out.clamp(max=1.0)
+
+
 class EluFeatureMap(FeatureMap):
     """phi(x) = 1 + elu(x) (Katharopoulos et al. 2020, eq. 7), the LRPE paper's baseline kernel."""
 
     def forward(self, x):
-        return F.elu(x) + 1.0
+        return ShiftedElu.apply(x)
 
 
 class ReluFeatureMap(FeatureMap):
