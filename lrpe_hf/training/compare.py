@@ -74,14 +74,14 @@ DATA = Path(__file__).resolve().parents[2] / "data"
 
 TEXT_QUICK = dict(
     hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=256, block_size=64, batch_size=16,
-    learning_rate=2e-3, warmup_steps=10, max_steps=60, max_eval_samples=100, tokenizer_vocab_size=2048,
+    learning_rate=2e-3, warmup_steps=10, max_steps=60, max_eval_samples=50, tokenizer_vocab_size=2048,
 )  # fmt: skip
 TEXT_FULL = dict(  # the LRPE paper's autoregressive LM (Appendix E): 6 layers x 512, 8 heads, FFN 2048, 512 tokens
     hidden_size=512, num_hidden_layers=6, num_attention_heads=8, intermediate_size=2048, block_size=512, batch_size=32,
     learning_rate=5e-4, warmup_steps=2000, max_steps=50000, max_eval_samples=None, tokenizer_vocab_size=16384,
 )  # fmt: skip
 SYNTHETIC_QUICK = dict(
-    hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, block_size=64, batch_size=32,
+    hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, block_size=32, batch_size=32,
     learning_rate=3e-3, warmup_steps=20, max_steps=120, max_eval_samples=500,
 )  # fmt: skip
 SYNTHETIC_FULL = dict(
@@ -93,7 +93,7 @@ SYNTHETIC_FULL = dict(
 TASK_PROFILES = {
     "clm": {"quick": TEXT_QUICK, "full": TEXT_FULL},
     "mlm": {
-        "quick": dict(TEXT_QUICK, finetune_max_steps=40, finetune_max_eval_samples=500),
+        "quick": dict(TEXT_QUICK, max_steps=50, finetune_max_steps=30, finetune_max_eval_samples=300),
         # the LRPE paper's bidirectional model is RoBERTa-base: 12 layers x 768, 12 heads, FFN 3072
         "full": dict(
             TEXT_FULL,
@@ -203,7 +203,7 @@ PRESETS = {
         task="recall",
         mirrors="multi-query associative recall (Zoology, H3): find the key, read the value after it",
         encodings=SYNTHETIC_ENCODINGS,
-        quick={},
+        quick=dict(synthetic_vocab_size=16),  # 8 pairs of 16 keys and 16 values: learnable in 120 steps
         full={},
     ),
 }
@@ -493,7 +493,7 @@ def sweep(runs: list[dict], output_dir: Path, jobs: int) -> list[dict]:
     """Run every unfinished run, each in a fresh process, ``jobs`` at a time; print one line per run start and
     finish, and rewrite results.csv after each."""
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload([execute_run.__module__])
+    context.set_forkserver_preload([execute_run.__module__, "matplotlib.pyplot"])  # the runs' loss plots
     results, waiting, active = {}, deque(), {}
     for index, run in enumerate(runs, 1):
         result = finished_result(run)
