@@ -196,3 +196,26 @@ def test_help_is_grouped_and_every_option_explained(module):
     options = re.findall(r"^  (--\w+)", ours, flags=re.M)
     undocumented = [o for o in options if re.search(rf"^  {o}[^\n]*\n\s+\(default", ours, flags=re.M)]
     assert options and not undocumented, undocumented
+
+
+def test_flags_override_the_preset_which_overrides_the_profile(tmp_path):
+    args = compare.CompareArguments(preset="extrapolation", block_size=32, seeds=2, output_dir=str(tmp_path))
+    settings = compare.resolve(args)
+    assert settings["task"] == "clm" and settings["block_size"] == 32 and settings["seeds"] == 2  # flags
+    assert settings["eval_lengths"] == [64, 128, 256, 512, 1024]  # the preset
+    assert settings["max_steps"] == compare.TASK_PROFILES["clm"]["quick"]["max_steps"]  # the profile
+    assert settings["encodings"] == compare.PRESETS["extrapolation"]["encodings"]
+    assert settings["train_file"].endswith("data/wikipedia_leads/train.txt")  # the embedded data
+    full = compare.resolve(compare.CompareArguments(preset="lrpe_table2", profile="full"))
+    assert full["hidden_size"] == 512 and full["jobs"] == 1 and full["output_dir"] == "out/compare/lrpe_table2"
+
+
+def test_without_feature_maps_each_encoding_gets_its_default(tmp_path):
+    settings = compare.resolve(
+        compare.CompareArguments(task="copy", encodings="rope,permute,learned,softmax:rope", output_dir=str(tmp_path))
+    )
+    runs = compare.plan_runs(settings)
+    expected = [compare.default_feature_map(name) for name in ("rope", "permute", "none")] + ["-"]
+    assert [run["feature_map"] for run in runs[:4]] == expected
+    assert [run["name"] for run in runs[:4]][-1] == "softmax_rope-seed0"
+    assert len(runs) == 4 * settings["seeds"]

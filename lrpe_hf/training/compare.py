@@ -22,6 +22,18 @@ Settings come, from weakest to strongest, from the task's profile (``--profile q
 through to the pipelines as in the run scripts. Without ``--tokenizer_name``, text tasks train a BPE tokenizer
 into ``<output_dir>/tokenizer`` once.
 
+Profiles:
+
+- ``quick`` (2 CPU cores; ``make reproduce``): 2 layers x 64, 4 heads; text: blocks of 64 tokens, batch 16, 60
+  steps (mlm: 50 pretraining and 30 fine-tuning steps), a 2,048-token BPE vocabulary; image: 28 px in 4 px
+  patches, batch 32, 50 steps; synthetic: 32 tokens, batch 32, 120 steps; two one-thread runs at once. Enough to
+  separate encodings on the synthetic tasks; on text, the models stay close to unigram statistics.
+- ``full`` (one GPU): the papers' sizes: causal LM 6 x 512, 8 heads, FFN 2048, 512 tokens, batch 32, 50k steps
+  (LRPE Appendix E); masked LM RoBERTa-base (12 x 768), 23k steps, then 3k fine-tuning steps; image DeiT-small
+  (12 x 384, 6 heads), batch 128, 10k steps; synthetic 4 x 256 at 256 tokens, 20k steps. The embedded corpus
+  (about a million tokens) is far too small for these: give a larger one (e.g. ``--dataset_name
+  Salesforce/wikitext --dataset_config wikitext-103-raw-v1``).
+
 Presets (the papers' headline comparisons, at small scale):
 
 - ``lrpe_table2``: LRPE Table 2, autoregressive language modelling (WikiText-103 validation perplexity in the
@@ -189,7 +201,7 @@ PRESETS = {
         mirrors="length extrapolation (RoFormer, PermuteFormer, FastRPB discuss it): train at one length, evaluate "
         "at 1x to 16x",
         encodings=["none", "sinusoidal", "rope", "permute", "spe_sine", "lrpe_orthogonal", "fastrpb", "softmax:rope"],
-        quick=dict(block_size=64, eval_lengths=[64, 128, 256, 512, 1024]),
+        quick=dict(block_size=64, eval_lengths=[64, 128, 256, 512, 1024], max_eval_samples=160),  # 10k tokens
         full=dict(block_size=128, eval_lengths=[128, 256, 512, 1024, 2048]),
     ),
     "synthetic_copy": dict(
