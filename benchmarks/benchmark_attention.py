@@ -5,7 +5,8 @@ Two parts, measured side by side in one run (the machine may be shared and noisy
 1. Kernels: causal attention alone from q, k, v (B=1, 8 heads x 64, fp32, forward): SDPA against the chunked
    linear-attention kernel (elu features).
 2. Layers: ``LinearAttention`` (hidden 512, 8 heads) per encoding, causal and bidirectional: forward time,
-   forward+backward time and peak memory of forward+backward, next to the same layer with softmax attention.
+   forward+backward time and peak memory of forward+backward, next to the same layer with softmax attention,
+   and next to the layer's floor: its four projections alone (forward, and forward+backward), in the same child.
 
 Every configuration runs in a forked child process, so that its peak resident memory can be read on a CPU.
 Writes ``results.csv``, ``results.md`` and ``results.png`` to ``--out`` and prints the summary of ratios.
@@ -19,13 +20,14 @@ import csv
 from pathlib import Path
 
 import torch
-from measure import in_child, peak_memory_mb, resident_mb, timed
+from measure import in_child, peak_memory_mb, resident_mb, timed, timed_alternately
 from torch.nn import functional as F
 
 import lrpe_hf
 from lrpe_hf.modeling.attention_kernels import causal_linear_attention
 
 HIDDEN, HEADS = 512, 8
+FLOOR_KEYS = ("forward_ms", "train_ms", "floor_forward_ms", "floor_train_ms")
 
 
 def kernel_row(kind, tokens, device, reps):
@@ -56,11 +58,24 @@ def layer_row(encoding, attention, causal, tokens, device, reps):
         def train_step():
             layer(x).sum().backward()
 
+        def projections():  # the floor: the layer's four projections alone, on inputs of the same shape
+            return [proj(x) for proj in (layer.q_proj, layer.k_proj, layer.v_proj, layer.o_proj)]
+
+        def projections_step():
+            sum(out.sum() for out in projections()).backward()
+
         train_step()
         memory = peak_memory_mb(device, baseline)
         with torch.no_grad():
-            forward = timed(lambda: layer(x), device, reps)
-        return {"forward_ms": forward, "train_ms": timed(train_step, device, reps), "peak_mb": memory}
+            forward, floor_forward = timed_alternately([lambda: layer(x), projections], device, reps)
+        train, floor_train = timed_alternately([train_step, projections_step], device, reps)
+        return {
+            "forward_ms": forward,
+            "train_ms": train,
+            "peak_mb": memory,
+            "floor_forward_ms": floor_forward,
+            "floor_train_ms": floor_train,
+        }
 
     return in_child(run)
 
@@ -114,20 +129,21 @@ def main():
 
 
 def write_tables(rows, out):
-    fields = ["part", "name", "mode", "tokens", "forward_ms", "train_ms", "peak_mb", "error"]
+    fields = ["part", "name", "mode", "tokens", "forward_ms", "train_ms", "peak_mb", *FLOOR_KEYS[2:], "error"]
     with open(out / "results.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=fields)
         writer.writeheader()
         writer.writerows(rows)
     lines = [
-        "| part | name | mode | tokens | forward ms | forward+backward ms | peak MB |",
-        "|---|---|---|---|---|---|---|",
+        "| part | name | mode | tokens | forward ms | forward+backward ms | peak MB | floor forward ms | floor f+b ms"
+        " |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         cells = [r["part"], r["name"], r["mode"], str(r["tokens"])]
         cells += [
             f"{r[k]:.1f}" if isinstance(r.get(k), float) else r.get("error", "")
-            for k in ("forward_ms", "train_ms", "peak_mb")
+            for k in ("forward_ms", "train_ms", "peak_mb", "floor_forward_ms", "floor_train_ms")
         ]
         lines.append("| " + " | ".join(cells) + " |")
     (out / "results.md").write_text("\n".join(lines + [""] + summary(rows)) + "\n")
@@ -149,13 +165,31 @@ def summary(rows):
                 f"- causal kernel at {tokens}: SDPA {sdpa:.1f} ms, linear {linear:.1f} ms, "
                 f"speed-up {sdpa / linear:.1f}x"
             )
-    base = lookup(rows, "layer", "none", "causal", 4096, "train_ms")
-    if base:
+    for mode in ("causal", "bidirectional"):
+        for tokens in sorted({r["tokens"] for r in rows if r["part"] == "layer" and r["mode"] == mode}):
+            row = {k: lookup(rows, "layer", "none", mode, tokens, k) for k in FLOOR_KEYS}
+            if not all(row.values()):
+                continue
+            floor = row["floor_forward_ms"]
+            line = (
+                f"- {mode} layer (none) at {tokens}: forward {row['forward_ms']:.1f} ms = "
+                f"{row['forward_ms'] / floor:.2f}x its projections ({floor:.1f} ms); "
+                f"forward+backward {row['train_ms']:.1f} ms = {row['train_ms'] / row['floor_train_ms']:.2f}x theirs "
+                f"({row['floor_train_ms']:.1f} ms)"
+            )
+            softmax = lookup(rows, "layer", "softmax+none", mode, tokens, "forward_ms")
+            if softmax:
+                line += f"; softmax (SDPA) layer forward {softmax:.1f} ms: {softmax / row['forward_ms']:.1f}x slower"
+            lines.append(line)
+    for mode in ("causal", "bidirectional"):
+        base = lookup(rows, "layer", "none", mode, 4096, "train_ms")
+        if not base:
+            continue
         for name in sorted({r["name"] for r in rows if r["part"] == "layer"}):
-            t = lookup(rows, "layer", name, "causal", 4096, "train_ms")
+            t = lookup(rows, "layer", name, mode, 4096, "train_ms")
             if t:
                 lines.append(
-                    f"- causal forward+backward at 4096, {name}: {t:.0f} ms, "
+                    f"- {mode} forward+backward at 4096, {name}: {t:.0f} ms, "
                     f"overhead over none {100 * (t / base - 1):+.0f}%"
                 )
     for name in sorted({r["name"] for r in rows if r["part"] == "layer"}):

@@ -3,9 +3,10 @@
 Both models: 6 layers x 512, 8 heads, FFN 2048, vocabulary 8192, batch 1, fp32. Measured side by side in
 one run, each configuration in a forked child (peak memory of its own):
 
-- forward+backward of one sequence of N tokens (LM loss): seconds, tokens/s, peak memory;
+- forward+backward of one sequence of N tokens (LM loss): seconds, tokens/s, peak memory (growth, and on a CPU
+  the child's VmHWM: its peak resident memory, the first step included);
 - generation: milliseconds per new token after a prompt of C tokens (prefill with the cache, then one token
-  at a time).
+  at a time), and tokens/s at batch 8.
 
 Writes ``models.csv``, ``models.md`` and ``models.png`` to ``--out`` and prints the summary of ratios.
 
@@ -18,7 +19,7 @@ import csv
 from pathlib import Path
 
 import torch
-from measure import in_child, peak_memory_mb, resident_mb, timed
+from measure import high_water_mark_mb, in_child, peak_memory_mb, resident_mb, timed
 from transformers import AutoModelForCausalLM, GPT2Config
 
 from lrpe_hf import LinearAttentionCache, LinearGPTConfig, LinearGPTForCausalLM
@@ -71,20 +72,21 @@ def train_row(name, tokens, device, reps):
             model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
 
         step()
-        memory = peak_memory_mb(device, baseline)
+        memory, high_water_mark = peak_memory_mb(device, baseline), high_water_mark_mb()
         ms = timed(step, device, reps)
-        return {"seconds": ms / 1000, "tokens_per_s": tokens / (ms / 1000), "peak_mb": memory}
+        result = {"seconds": ms / 1000, "tokens_per_s": tokens / (ms / 1000), "peak_mb": memory}
+        return result | ({"vm_hwm_mb": high_water_mark} if device == "cpu" else {})
 
     return in_child(run)
 
 
-def generation_row(name, context, device, new_tokens=16):
+def generation_row(name, context, device, batch=1, new_tokens=16):
     def run():
         model = build(name, context + 2 * new_tokens + 1, device).eval()  # a warm-up round, then the timed one
-        ids = torch.randint(0, SIZE["vocab"], (1, context), device=device)
+        ids = torch.randint(0, SIZE["vocab"], (batch, context), device=device)
         with torch.no_grad():
             cache = LinearAttentionCache(SIZE["layers"]) if not name.startswith("gpt2") else None
-            out = model(input_ids=ids, past_key_values=cache, use_cache=True)
+            out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)  # prefill
             cache = out.past_key_values
             token = out.logits[:, -1:].argmax(-1)
 
@@ -93,7 +95,7 @@ def generation_row(name, context, device, new_tokens=16):
                 token = model(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
 
             total = timed(lambda: [one_token() for _ in range(new_tokens)], device, reps=1)
-        return {"ms_per_token": total / new_tokens}
+        return {"ms_per_token": total / new_tokens, "tokens_per_s": 1000 * batch * new_tokens / total}
 
     return in_child(run)
 
@@ -101,7 +103,8 @@ def generation_row(name, context, device, new_tokens=16):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", type=int, nargs="*", default=[512, 1024, 2048, 4096, 8192, 16384, 32768])
-    parser.add_argument("--contexts", type=int, nargs="*", default=[256, 4096, 16384])
+    parser.add_argument("--contexts", type=int, nargs="*", default=[256, 4096, 16384, 65536])
+    parser.add_argument("--batch-contexts", type=int, nargs="*", default=[256], help="contexts for batch-8 decoding")
     parser.add_argument(
         "--encodings",
         nargs="+",
@@ -137,16 +140,26 @@ def main():
                 {"task": "generate", "model": name, "tokens": context, **generation_row(name, context, args.device)}
             )
             print(rows[-1], flush=True)
-    fields = ["task", "model", "tokens", "seconds", "tokens_per_s", "peak_mb", "ms_per_token", "error"]
+    for context in args.batch_contexts:
+        for name in [n for n in names if not n.endswith("+ckpt")]:
+            if name == "gpt2-sdpa" and context > args.gpt2_max:
+                continue
+            result = generation_row(name, context, args.device, batch=8)
+            rows.append({"task": "generate-batch8", "model": name, "tokens": context, **result})
+            print(rows[-1], flush=True)
+    fields = ["task", "model", "tokens", "seconds", "tokens_per_s", "peak_mb", "vm_hwm_mb", "ms_per_token", "error"]
     with open(args.out / "models.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=fields)
         writer.writeheader()
         writer.writerows(rows)
-    lines = ["| task | model | tokens | seconds | tokens/s | peak MB | ms/token |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| task | model | tokens | seconds | tokens/s | peak MB | VmHWM MB | ms/token |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         cells = [r["task"], r["model"], str(r["tokens"])] + [
             f"{r[k]:.2f}" if isinstance(r.get(k), float) else r.get("error", "") if k == "seconds" else ""
-            for k in ("seconds", "tokens_per_s", "peak_mb", "ms_per_token")
+            for k in ("seconds", "tokens_per_s", "peak_mb", "vm_hwm_mb", "ms_per_token")
         ]
         lines.append("| " + " | ".join(cells) + " |")
     report = lines + [""] + summary(rows, args.encodings)
@@ -165,27 +178,51 @@ def value(rows, task, model, tokens, key):
 def summary(rows, encodings):
     lines = ["Summary (ratios from this run):"]
     gpt2 = value(rows, "train", "gpt2-sdpa", 4096, "seconds")
+    none = value(rows, "train", "none", 4096, "seconds")
+    gpt2_latency = value(rows, "generate", "gpt2-sdpa", 256, "ms_per_token")
+    gpt2_batch = value(rows, "generate-batch8", "gpt2-sdpa", 256, "tokens_per_s")
     for name in encodings:
         at4k = value(rows, "train", name, 4096, "seconds")
         if gpt2 and at4k:
             lines.append(
                 f"- {name}: train step at 4096 {at4k:.2f} s vs GPT-2 {gpt2:.2f} s, speed-up {gpt2 / at4k:.1f}x"
             )
+        if none and at4k and name != "none":
+            lines.append(f"- {name}: train step at 4096, overhead over none {100 * (at4k / none - 1):+.0f}%")
         memory = value(rows, "train", name, 8192, "peak_mb")
         if memory:
             lines.append(f"- {name}: peak memory of a train step at 8192: {memory / 1024:.2f} GB")
+        hwm, hwm_32k = value(rows, "train", name, 8192, "vm_hwm_mb"), value(rows, "train", name, 32768, "vm_hwm_mb")
+        if hwm:
+            lines.append(f"- {name}: VmHWM of a train step at 8192 (first step included): {hwm / 1024:.2f} GB")
+        if hwm and hwm_32k:
+            lines.append(f"- {name}: VmHWM at 32768 = {hwm_32k / 1024:.2f} GB, {hwm_32k / hwm:.2f}x that at 8192")
+        at8k, at32k = value(rows, "train", name, 8192, "seconds"), value(rows, "train", name, 32768, "seconds")
+        if at8k and at32k:
+            lines.append(f"- {name}: train step at 32768 {at32k:.1f} s = {at32k / at8k:.2f}x that at 8192")
+        latency = value(rows, "generate", name, 256, "ms_per_token")
+        if gpt2_latency and latency:
+            lines.append(
+                f"- {name}: {latency:.1f} ms per token at 256 context vs GPT-2 {gpt2_latency:.1f} ms "
+                f"({latency / gpt2_latency:.2f}x)"
+            )
+        batch = value(rows, "generate-batch8", name, 256, "tokens_per_s")
+        if gpt2_batch and batch:
+            lines.append(
+                f"- {name}: batch 8 at 256 context, {batch:.0f} tokens/s vs GPT-2 {gpt2_batch:.0f} "
+                f"({batch / gpt2_batch:.2f}x)"
+            )
         small, large = value(rows, "train", name, 512, "tokens_per_s"), value(rows, "train", name, 8192, "tokens_per_s")
         if small and large:
             lines.append(f"- {name}: tokens/s at 8192 = {100 * large / small:.0f}% of tokens/s at 512")
-        short, long = (
-            value(rows, "generate", name, 256, "ms_per_token"),
-            value(rows, "generate", name, 16384, "ms_per_token"),
-        )
-        if short and long:
-            lines.append(
-                f"- {name}: generation {long:.1f} ms/token at 16k context vs {short:.1f} at 256: "
-                f"ratio {long / short:.2f}"
-            )
+        short = value(rows, "generate", name, 256, "ms_per_token")
+        for context in sorted({r["tokens"] for r in rows if r["task"] == "generate" and r["tokens"] > 256}):
+            long = value(rows, "generate", name, context, "ms_per_token")
+            if short and long:
+                lines.append(
+                    f"- {name}: generation {long:.1f} ms/token at {context} context vs {short:.1f} at 256: "
+                    f"ratio {long / short:.2f}"
+                )
     return lines
 
 

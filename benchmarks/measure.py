@@ -3,29 +3,43 @@
 import json
 import os
 import resource
+import statistics
 import time
 
 import torch
 
 
 def timed(fn, device, reps):
-    """Best of ``reps`` wall-clock runs after one warm-up, in milliseconds."""
-    fn()
-    best = float("inf")
-    for _ in range(reps):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - start)
-    return 1000 * best
+    """Median of ``reps`` wall-clock runs after one warm-up, in milliseconds."""
+    return timed_alternately([fn], device, reps)[0]
+
+
+def timed_alternately(fns, device, reps):
+    """Medians of ``reps`` wall-clock runs of each function after one warm-up each, in milliseconds, the functions
+    taking turns in every round (so that a shared machine's changing load touches them alike)."""
+    times = [[] for _ in fns]
+    for round_index in range(reps + 1):
+        for fn, fn_times in zip(fns, times):
+            if device == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            fn()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            if round_index:
+                fn_times.append(time.perf_counter() - start)
+    return [1000 * statistics.median(fn_times) for fn_times in times]
 
 
 def resident_mb():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def high_water_mark_mb():
+    """VmHWM: the peak resident memory of this process so far (a forked child starts from its parent's pages)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) / 1024
 
 
 def peak_memory_mb(device, baseline_mb):
