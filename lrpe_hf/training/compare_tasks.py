@@ -98,36 +98,38 @@ def language_model_arguments(run: dict, output_dir: Path) -> list[str]:
     return ["--tokenizer_name", s["tokenizer_name"], *data, *model_arguments(run), *training]
 
 
-def perplexity_at_length(model_dir: Path, length: int, s: dict) -> float:
-    """Validation perplexity of the saved causal LM on blocks of ``length`` tokens, over as many tokens as the
+def perplexities_at_lengths(model_dir: Path, lengths: list[int], s: dict) -> dict:
+    """Validation perplexity of the saved causal LM on blocks of each length, each over as many tokens as the
     training-length evaluation used (``max_eval_samples`` blocks of ``block_size``; all when unset)."""
+    if not lengths:
+        return {}
     data = load_files_or_hub(s["dataset_name"], s["dataset_config"], s["train_file"], s["validation_file"])
     if "validation" not in data:
         raise ValueError("--eval_lengths needs validation text (--validation_file, or a Hub validation split)")
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    blocks = language_modeling.group_into_blocks(
-        DatasetDict(train=data["validation"]), tokenizer, s["text_column"], length
-    )["train"]
-    if len(blocks) == 0:
-        raise ValueError(f"The validation text is shorter than one block of {length} tokens")
-    count = max(1, s["max_eval_samples"] * s["block_size"] // length) if s["max_eval_samples"] else None
-    trainer = Trainer(
-        model=AutoModelForCausalLM.from_pretrained(model_dir),
-        args=TrainingArguments(
-            output_dir=str(model_dir / "evaluation"), per_device_eval_batch_size=1, report_to="none", disable_tqdm=True
-        ),
-        eval_dataset=select_samples(blocks, count),
-        data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False),
-    )
-    return math.exp(min(trainer.evaluate()["eval_loss"], 50))
+    tokenizer = AutoTokenizer.from_pretrained(s["tokenizer_name"])  # the same for every run: cached blocks
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    results = {}
+    for length in lengths:
+        batch_size = max(1, s["batch_size"] * s["block_size"] // length)  # as many tokens per batch as in training
+        args = TrainingArguments(
+            output_dir=str(model_dir), per_device_eval_batch_size=batch_size, report_to="none", disable_tqdm=True
+        )
+        trainer = Trainer(model=model, args=args, data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False))
+        blocks = language_modeling.group_into_blocks(
+            DatasetDict(train=data["validation"]), tokenizer, s["text_column"], length
+        )["train"]
+        if len(blocks) == 0:
+            raise ValueError(f"The validation text is shorter than one block of {length} tokens")
+        count = max(1, s["max_eval_samples"] * s["block_size"] // length) if s["max_eval_samples"] else None
+        loss = trainer.evaluate(eval_dataset=select_samples(blocks, count))["eval_loss"]
+        results[f"perplexity_at_{length}"] = math.exp(min(loss, 50))
+    return results
 
 
 def run_clm(run: dict, run_dir: Path) -> dict:
     metrics = language_modeling.main("clm", as_strings(language_model_arguments(run, run_dir)))
-    results = {"perplexity": metrics["eval_perplexity"]}
-    for length in run["settings"]["eval_lengths"]:
-        results[f"perplexity_at_{length}"] = perplexity_at_length(run_dir, length, run["settings"])
-    return results
+    lengths = run["settings"]["eval_lengths"]
+    return {"perplexity": metrics["eval_perplexity"], **perplexities_at_lengths(run_dir, lengths, run["settings"])}
 
 
 def run_mlm(run: dict, run_dir: Path) -> dict:
