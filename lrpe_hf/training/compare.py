@@ -63,6 +63,7 @@ the same arguments skips finished runs and restarts unfinished ones from scratch
 """
 
 import multiprocessing
+import os
 import shutil
 import time
 from argparse import RawDescriptionHelpFormatter
@@ -435,6 +436,7 @@ def plan_runs(s: dict) -> list[dict]:
                         name=name,
                         run_dir=str(Path(s["output_dir"]) / "runs" / name),
                         threads=s["threads"],
+                        sweep_pid=os.getpid(),
                         settings=run_settings,
                     )
                 )

@@ -17,6 +17,8 @@ import math
 import os
 import resource
 import sys
+import threading
+import time
 from pathlib import Path
 
 import torch
@@ -195,8 +197,24 @@ def load_result(run_dir: Path) -> dict | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
+def exit_with_the_sweep(sweep_pid: int):
+    """End this run's process when the sweep that started it is gone (killed): an orphaned run would go on writing
+    into a folder that the next sweep restarts."""
+
+    def watch():
+        while True:
+            time.sleep(1)
+            try:
+                os.kill(sweep_pid, 0)
+            except ProcessLookupError:
+                os._exit(1)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
 def execute_run(run: dict):
     """Train and evaluate one run in this (fresh) process; its output goes to ``<run_dir>/log.txt``."""
+    exit_with_the_sweep(run["sweep_pid"])
     run_dir = Path(run["run_dir"])
     run_dir.mkdir(parents=True)
     log = open(run_dir / "log.txt", "w")
