@@ -99,11 +99,12 @@ def plot_metric(path: Path, results: list[dict], name: str) -> Path:
     stats = [mean_std([r["metrics"][name] for r in runs if name in r["metrics"]]) for runs in grouped.values()]
     plt, fig, ax = new_figure(max(6, 0.6 * len(grouped) + 2))
     errors = [0 if math.isnan(std) else std for _, std in stats]
-    ax.bar(range(len(grouped)), [mean for mean, _ in stats], yerr=errors, capsize=4, color="tab:blue", alpha=0.8)
+    # points, not bars: a bar's zero baseline would hide differences of a few percent (perplexities)
+    ax.errorbar(range(len(grouped)), [mean for mean, _ in stats], yerr=errors, fmt="o", capsize=4)
     ax.set_xticks(range(len(grouped)), list(grouped), rotation=45, ha="right")
     ax.set_ylabel(name + direction(name))
     ax.set_title(f"{name}: mean ± std over seeds")
-    ax.grid(True, axis="y", alpha=0.3)
+    ax.grid(True, alpha=0.3)
     return save(plt, fig, path)
 
 
@@ -130,7 +131,9 @@ def plot_extrapolation(path: Path, results: list[dict], lengths: list[int]) -> P
         errors = [0 if math.isnan(std) else std for _, std in stats]
         ax.errorbar(lengths, [mean for mean, _ in stats], yerr=errors, marker="o", capsize=3, label=label)
     ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
+    low, high = ax.get_ylim()
+    if low > 0 and high / low > 10:  # a blow-up at long lengths: a log scale keeps the short lengths readable
+        ax.set_yscale("log")
     ax.set_xticks(lengths, [str(n) for n in lengths])
     ax.set_xlabel("evaluation length (tokens)")
     ax.set_ylabel("validation perplexity (lower is better)")
