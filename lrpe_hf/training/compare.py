@@ -388,11 +388,6 @@ def add_data_defaults(s: dict):
         s.setdefault("finetune_validation_file", embedded("tweet_sentiment/validation.csv"))
     if task == "image" and not s["dataset_name"]:
         s.setdefault("data_dir", embedded("fashion_mnist"))
-    for name in (
-        "train_file", "validation_file", "finetune_train_file", "finetune_validation_file", "data_dir", "block_size",
-        "image_size", "patch_size", "finetune_max_steps", "finetune_max_eval_samples", "tokenizer_vocab_size",
-    ):  # fmt: skip
-        s.setdefault(name, None)
 
 
 def check(s: dict):
@@ -481,7 +476,7 @@ def train_default_tokenizer(folder: Path, s: dict):
     print(f"Training a {s['tokenizer_vocab_size']}-token BPE tokenizer into {folder}", flush=True)
     args = TokenizerArguments(
         output_dir=str(folder),
-        train_files=[s["train_file"]] if s["train_file"] else [],
+        train_files=[s["train_file"]] if s.get("train_file") else [],
         dataset_name=s["dataset_name"],
         dataset_config=s["dataset_config"],
         text_column=s["text_column"],
