@@ -11,10 +11,8 @@ import numpy as np
 import pytest
 
 from lrpe_hf.training import compare, synthetic
-from lrpe_hf.training import tokenizer as train_tokenizer
 from lrpe_hf.training.synthetic import copy_examples, recall_examples, synthetic_dataset
 
-ROOT = Path(__file__).resolve().parents[1]
 TINY = [
     "--hidden_size", "16", "--num_hidden_layers", "1", "--num_attention_heads", "2", "--intermediate_size", "32",
     "--batch_size", "4", "--max_steps", "2", "--warmup_steps", "0", "--logging_steps", "1", "--max_eval_samples", "8",
@@ -146,30 +144,16 @@ def test_bad_input_says_what_is_valid(args, message, tmp_path):
     assert not (tmp_path / "out").exists()  # nothing ran
 
 
-@pytest.fixture(scope="module")
-def text_workspace(tmp_path_factory):
-    """A small slice of the Wikipedia leads and a tokenizer trained on it."""
-    folder = tmp_path_factory.mktemp("compare_text")
-    lines = (ROOT / "data/wikipedia_leads/train.txt").read_text(encoding="utf-8").splitlines()
-    (folder / "train.txt").write_text("\n".join(lines[:200]) + "\n", encoding="utf-8")
-    (folder / "validation.txt").write_text("\n".join(lines[200:260]) + "\n", encoding="utf-8")
-    args = train_tokenizer.TokenizerArguments(
-        output_dir=str(folder / "tokenizer"), train_files=[str(folder / "train.txt")], vocab_size=400
-    )
-    train_tokenizer.train_tokenizer(args)
-    return folder
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("preset", list(compare.PRESETS))
-def test_every_preset_runs_end_to_end_at_a_tiny_size(preset, text_workspace, tmp_path):
+def test_every_preset_runs_end_to_end_at_a_tiny_size(preset, workspace, tmp_path):
     """Each preset with its first encoding and its last (a baseline), one seed, a tiny model, two steps."""
     encodings = compare.PRESETS[preset]["encodings"]
     args = ["--preset", preset, "--encodings", f"{encodings[0]},{encodings[-1]}", "--seeds", "1", *TINY]
     task = compare.PRESETS[preset]["task"]
     if task in ("clm", "mlm"):
-        args += ["--tokenizer_name", text_workspace / "tokenizer", "--train_file", text_workspace / "train.txt"]
-        args += ["--validation_file", text_workspace / "validation.txt"]
+        args += ["--tokenizer_name", workspace / "tokenizer", "--train_file", workspace / "train.txt"]
+        args += ["--validation_file", workspace / "validation.txt"]
     if task == "mlm":
         args += ["--finetune_max_steps", "2", "--finetune_max_eval_samples", "16"]
     if task != "image":
