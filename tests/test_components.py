@@ -215,10 +215,10 @@ def test_permutation_powers_for_any_position():
 
 # ---------------------------------------------------------------- absolute embeddings
 def test_sinusoidal_embedding_formula():
-    emb = SinusoidalPositionEmbedding(8)
+    emb = SinusoidalPositionEmbedding(8, scale=0.25)
     out = emb(torch.tensor([[0, 3]]))
     expected = [math.sin(3 * 10000 ** (-i / 4)) for i in range(4)] + [math.cos(3 * 10000 ** (-i / 4)) for i in range(4)]
-    torch.testing.assert_close(out[0, 1], torch.tensor(expected))
+    torch.testing.assert_close(out[0, 1], 0.25 * torch.tensor(expected))
 
 
 def test_learned_embedding_refuses_positions_beyond_its_table():

@@ -261,6 +261,45 @@ def test_vit_accepts_other_image_sizes_with_relative_encodings():
         fastrpb(pixel_values=images(size=48))
 
 
+def sinusoids(positions, dim):
+    """Vaswani et al.'s table written out: [sin(p w_i), cos(p w_i)], w_i = 10000^(-2i/dim). positions (N,)."""
+    w = 10000.0 ** (-torch.arange(dim // 2, dtype=torch.float64) / (dim // 2))
+    angles = positions.double()[:, None] * w
+    return torch.cat([angles.sin(), angles.cos()], dim=-1).float()
+
+
+@pytest.mark.parametrize("multiplier", [1.0, 32**0.5])
+def test_sinusoidal_positions_keep_vaswanis_ratio_to_the_token_embeddings(multiplier):
+    """Vaswani et al. add unit sinusoids to token embeddings of std 1; here the sinusoids take the token
+    embeddings' std at initialisation (initializer_range x embedding_multiplier), so the ratio stays theirs."""
+    torch.manual_seed(0)
+    config = gpt_config(absolute_position_embedding="sinusoidal", embedding_multiplier=multiplier)
+    model = LinearGPTForCausalLM(config).eval()
+    ids = text_batch(tokens=12)
+    embedded = model(ids, output_hidden_states=True).hidden_states[0]
+    tokens = model.model.embed_tokens(ids) * multiplier
+    token_std = float(model.model.embed_tokens.weight.std())
+    assert abs(token_std / 0.02 - 1) < 0.05  # the init (initializer_range) the amplitude is tied to
+    expected = tokens + 0.02 * multiplier * sinusoids(torch.arange(12), 32)
+    torch.testing.assert_close(embedded, expected)
+    position_rms = float((embedded - tokens).pow(2).mean().sqrt())
+    assert abs(position_rms / (token_std * multiplier) - 2**-0.5) < 0.05
+
+
+def test_vit_sinusoids_take_the_scale_of_its_learned_table():
+    model = LinearViTForImageClassification(
+        vit_config(positional_encoding="none", absolute_position_embedding="sinusoidal")
+    ).eval()
+    plain = LinearViTForImageClassification(vit_config(positional_encoding="none")).eval()
+    plain.load_state_dict(model.state_dict())
+    pixels = images()
+    added = model.model.embeddings(pixels)[0] - plain.model.embeddings(pixels)[0]
+    rows = torch.tensor([-1] + [r for r in range(4) for _ in range(4)])  # the class token at (-1, -1)
+    cols = torch.tensor([-1] + [c for _ in range(4) for c in range(4)])
+    expected = 0.02 * torch.cat([sinusoids(rows, 16), sinusoids(cols, 16)], dim=-1)
+    torch.testing.assert_close(added[0], expected)
+
+
 def test_bad_configs_and_inputs(tmp_path):
     with pytest.raises(ValueError, match="valid values"):
         roberta_config(positional_encoding="alibi")

@@ -37,7 +37,10 @@ class LinearGPTModel(LinearGPTPreTrainedModel):
         super().__init__(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.position_embedding = build_absolute_position_embedding(
-            config.absolute_position_embedding, config.hidden_size, config.max_position_embeddings
+            config.absolute_position_embedding,
+            config.hidden_size,
+            config.max_position_embeddings,
+            token_std=config.initializer_range * config.embedding_multiplier,
         )
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
         self.stack = LinearTransformerStack(config, pre_norm=True)

@@ -34,7 +34,10 @@ class LinearRobertaModel(LinearRobertaPreTrainedModel):
         super().__init__(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
         self.position_embedding = build_absolute_position_embedding(
-            config.absolute_position_embedding, config.hidden_size, config.max_position_embeddings
+            config.absolute_position_embedding,
+            config.hidden_size,
+            config.max_position_embeddings,
+            token_std=config.initializer_range * config.embedding_multiplier,
         )
         self.embedding_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.dropout = nn.Dropout(config.hidden_dropout_prob)

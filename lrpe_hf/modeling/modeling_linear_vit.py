@@ -50,7 +50,10 @@ class LinearViTEmbeddings(nn.Module):
         self.cls_token = nn.Parameter(torch.zeros(1, 1, config.hidden_size))
         self.position_embedding = None
         if config.absolute_position_embedding == "sinusoidal":
-            self.position_embedding = SinusoidalPositionEmbedding(config.hidden_size, position_dims=2)
+            # at the scale of ViT's learned table and class token at initialisation
+            self.position_embedding = SinusoidalPositionEmbedding(
+                config.hidden_size, position_dims=2, scale=config.initializer_range
+            )
         elif config.absolute_position_embedding == "learned":
             self.position_embedding = LearnedPositionEmbedding(config.hidden_size, 1 + config.grid_size**2)
         self.dropout = nn.Dropout(config.hidden_dropout_prob)

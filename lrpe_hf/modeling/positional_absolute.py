@@ -2,6 +2,12 @@
 
 Both take integer positions (B, N) or (B, N, 2) and return (B, N, hidden_size). In 2D the first half of the
 embedding encodes the row and the second half the column.
+
+Scale. Vaswani et al. and fairseq add unit-amplitude sinusoids to token embeddings of std 1 (initialised at std
+d^-1/2, multiplied by sqrt(d)). Hugging Face models initialise token embeddings at std ``initializer_range`` (0.02),
+where unit sinusoids would drown the tokens (measured: perplexity 1,245 against 290 without them). So the sinusoids
+here have the amplitude of the token embeddings at initialisation, ``initializer_range * embedding_multiplier``,
+which keeps the papers' ratio of position to token in every setup.
 """
 
 import math
@@ -24,20 +30,21 @@ def sinusoidal_table(positions: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 class SinusoidalPositionEmbedding(nn.Module):
-    """Fixed sinusoids of any position (no maximum length)."""
+    """Fixed sinusoids of any position (no maximum length), of amplitude ``scale`` (see the module docstring)."""
 
-    def __init__(self, hidden_size: int, position_dims: int = 1):
+    def __init__(self, hidden_size: int, position_dims: int = 1, scale: float = 1.0):
         super().__init__()
-        self.hidden_size, self.position_dims = hidden_size, position_dims
+        self.hidden_size, self.position_dims, self.scale = hidden_size, position_dims, scale
 
     def forward(self, positions: torch.Tensor) -> torch.Tensor:
         if self.position_dims == 1:
-            return sinusoidal_table(positions, self.hidden_size)
+            return self.scale * sinusoidal_table(positions, self.hidden_size)
         rows = (self.hidden_size + 1) // 2
-        return torch.cat(
+        table = torch.cat(
             [sinusoidal_table(positions[..., 0], rows), sinusoidal_table(positions[..., 1], self.hidden_size - rows)],
             dim=-1,
         )
+        return self.scale * table
 
 
 class LearnedPositionEmbedding(nn.Module):
@@ -66,12 +73,13 @@ class LearnedPositionEmbedding(nn.Module):
 
 
 def build_absolute_position_embedding(
-    name: str, hidden_size: int, max_positions: int | None, position_dims: int = 1
+    name: str, hidden_size: int, max_positions: int | None, token_std: float, position_dims: int = 1
 ) -> nn.Module | None:
+    """``token_std``: the std of the token embeddings at initialisation, the amplitude of the sinusoids."""
     if name == "none":
         return None
     if name == "sinusoidal":
-        return SinusoidalPositionEmbedding(hidden_size, position_dims)
+        return SinusoidalPositionEmbedding(hidden_size, position_dims, scale=token_std)
     if name == "learned":
         if not max_positions:
             raise ValueError("learned absolute position embeddings need max_positions")
