@@ -13,6 +13,7 @@ Writes ``results.csv``, ``results.md`` and ``results.png`` to ``--out`` and prin
 
     python benchmarks/benchmark_attention.py                   # 512 ... 32k tokens, every encoding
     python benchmarks/benchmark_attention.py --lengths 512 2048 --encodings none rope --device cuda
+    python benchmarks/benchmark_attention.py --lengths 16384 --encodings none --compile   # and under torch.compile
 """
 
 import argparse
@@ -45,7 +46,7 @@ def kernel_row(kind, tokens, device, reps):
     return in_child(run)
 
 
-def layer_row(encoding, attention, causal, tokens, device, reps):
+def layer_row(encoding, attention, causal, tokens, device, reps, compile_layer=False):
     def run():
         torch.manual_seed(0)
         if device == "cuda":
@@ -53,10 +54,11 @@ def layer_row(encoding, attention, causal, tokens, device, reps):
         baseline = resident_mb()
         options = dict(positional_encoding=encoding, causal=causal, attention=attention, max_positions=tokens)
         layer = lrpe_hf.LinearAttention(HIDDEN, HEADS, **options).to(device)
+        run_layer = torch.compile(layer) if compile_layer else layer
         x = torch.randn(1, tokens, HIDDEN, device=device, requires_grad=True)
 
         def train_step():
-            layer(x).sum().backward()
+            run_layer(x).sum().backward()
 
         def projections():  # the floor: the layer's four projections alone, on inputs of the same shape
             return [proj(x) for proj in (layer.q_proj, layer.k_proj, layer.v_proj, layer.o_proj)]
@@ -67,7 +69,7 @@ def layer_row(encoding, attention, causal, tokens, device, reps):
         train_step()
         memory = peak_memory_mb(device, baseline)
         with torch.no_grad():
-            forward, floor_forward = timed_alternately([lambda: layer(x), projections], device, reps)
+            forward, floor_forward = timed_alternately([lambda: run_layer(x), projections], device, reps)
         train, floor_train = timed_alternately([train_step, projections_step], device, reps)
         return {
             "forward_ms": forward,
@@ -89,6 +91,7 @@ def main():
     parser.add_argument("--softmax-max", type=int, default=16384, help="longest input for softmax attention")
     parser.add_argument("--spe-conv-max", type=int, default=8192, help="longest input for spe_conv (H*N*D*R codes)")
     parser.add_argument("--modes", nargs="+", default=["causal", "bidirectional"], choices=["causal", "bidirectional"])
+    parser.add_argument("--compile", action="store_true", help="also time each linear layer under torch.compile")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -103,6 +106,8 @@ def main():
             rows.append({"part": "kernel", "name": kind, "mode": "causal", "tokens": tokens, **result})
             print(rows[-1], flush=True)
     variants = [(e, "linear") for e in args.encodings] + [("none", "softmax"), ("rope", "softmax")]
+    if args.compile:
+        variants += [(e, "compiled") for e in args.encodings]
     for causal in [mode == "causal" for mode in args.modes]:
         for tokens in args.lengths:
             for encoding, attention in variants:
@@ -110,8 +115,13 @@ def main():
                     continue
                 if encoding == "spe_conv" and tokens > args.spe_conv_max:
                     continue
-                result = layer_row(encoding, attention, causal, tokens, args.device, args.reps)
-                name = encoding if attention == "linear" else f"softmax+{encoding}"
+                compiled = attention == "compiled"
+                result = layer_row(
+                    encoding, "linear" if compiled else attention, causal, tokens, args.device, args.reps, compiled
+                )
+                name = {"linear": encoding, "softmax": f"softmax+{encoding}", "compiled": f"compiled {encoding}"}[
+                    attention
+                ]
                 rows.append(
                     {
                         "part": "layer",
@@ -180,6 +190,12 @@ def summary(rows):
             softmax = lookup(rows, "layer", "softmax+none", mode, tokens, "forward_ms")
             if softmax:
                 line += f"; softmax (SDPA) layer forward {softmax:.1f} ms: {softmax / row['forward_ms']:.1f}x slower"
+            compiled = {k: lookup(rows, "layer", "compiled none", mode, tokens, k) for k in FLOOR_KEYS[:2]}
+            if all(compiled.values()):
+                line += (
+                    f"; under torch.compile: forward {compiled['forward_ms'] / floor:.2f}x, forward+backward "
+                    f"{compiled['train_ms'] / row['floor_train_ms']:.2f}x"
+                )
             lines.append(line)
     for mode in ("causal", "bidirectional"):
         base = lookup(rows, "layer", "none", mode, 4096, "train_ms")

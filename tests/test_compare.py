@@ -131,7 +131,7 @@ def test_synthetic_datasets_are_seeded():
         (["--task", "translate", "--encodings", "rope"], "valid tasks: clm, mlm, image, copy, recall"),
         (["--task", "copy", "--encodings", "rope", "--feature_maps", "nosuch"], "valid values: elu, relu"),
         (["--task", "copy"], "Give --encodings"),
-        (["--task", "copy", "--encodings", "rope", "--profile", "huge"], "valid values: quick, full"),
+        (["--task", "copy", "--encodings", "rope", "--profile", "huge"], "valid values: quick, medium, full"),
         (
             ["--task", "copy", "--encodings", "rope", "--eval_lengths", "64"],
             "Not a setting of task copy: --eval_lengths",

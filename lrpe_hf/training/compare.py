@@ -17,7 +17,8 @@ on a sentence task: fine-tune accuracy and pretraining perplexity), ``image`` (L
 ``recall`` (LinearGPT on the synthetic tasks of ``lrpe_hf.training.synthetic``, accuracy on the answers).
 
 Settings come, from weakest to strongest, from the task's profile (``--profile quick``: sizes for 2 CPU cores;
-``full``: the papers' model sizes, for a GPU), the preset, and the flags given. Defaults use the embedded data
+``medium``: 8x to 10x the quick budget, for a GPU or a patient CPU; ``full``: the papers' model sizes, for a GPU), the
+preset, and the flags given. Defaults use the embedded data
 (``data/``); ``--train_file``/``--validation_file``/``--dataset_name``, ``--finetune_*`` and ``--data_dir`` pass
 through to the pipelines as in the run scripts. Without ``--tokenizer_name``, text tasks train a BPE tokenizer
 into ``<output_dir>/tokenizer`` once.
@@ -28,6 +29,10 @@ Profiles:
   steps (mlm: 50 pretraining and 30 fine-tuning steps), a 2,048-token BPE vocabulary; image: 28 px in 4 px
   patches, batch 32, 50 steps; synthetic: 32 tokens, batch 32, 120 steps; two one-thread runs at once. Enough to
   separate encodings on the synthetic tasks; on text, the models stay close to unigram statistics.
+- ``medium`` (one GPU, about 20 s a run; or 2 CPU cores, about 3 min a run): 2 layers x 128, 4 heads, FFN 512; text:
+  blocks of 128 tokens, batch 16, 400 steps (mlm: 400 pretraining and 200 fine-tuning steps), an 8,192-token BPE
+  vocabulary; image: batch 64, 400 steps; synthetic: 64 tokens, batch 64, 400 steps. The text models get past
+  unigram statistics (perplexity about 200 to 300), so the encodings separate.
 - ``full`` (one GPU): the papers' sizes: causal LM 6 x 512, 8 heads, FFN 2048, 512 tokens, batch 32, 50k steps
   (LRPE Appendix E); masked LM RoBERTa-base (12 x 768), 23k steps, then 3k fine-tuning steps; image DeiT-small
   (12 x 384, 6 heads), batch 128, 10k steps; synthetic 4 x 256 at 256 tokens, 20k steps. The embedded corpus
@@ -82,12 +87,16 @@ from .compare_tasks import ABSOLUTE_BASELINES, RUNNERS, as_strings, execute_run,
 from .tokenizer import TokenizerArguments, train_tokenizer
 
 TASKS = tuple(RUNNERS)
-PROFILES = ("quick", "full")
+PROFILES = ("quick", "medium", "full")
 DATA = Path(__file__).resolve().parents[2] / "data"
 
 TEXT_QUICK = dict(
     hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=256, block_size=64, batch_size=16,
     learning_rate=2e-3, warmup_steps=10, max_steps=60, max_eval_samples=50, tokenizer_vocab_size=2048,
+)  # fmt: skip
+TEXT_MEDIUM = dict(
+    hidden_size=128, num_hidden_layers=2, num_attention_heads=4, intermediate_size=512, block_size=128, batch_size=16,
+    learning_rate=2e-3, warmup_steps=40, max_steps=400, max_eval_samples=200, tokenizer_vocab_size=8192,
 )  # fmt: skip
 TEXT_FULL = dict(  # the LRPE paper's autoregressive LM (Appendix E): 6 layers x 512, 8 heads, FFN 2048, 512 tokens
     hidden_size=512, num_hidden_layers=6, num_attention_heads=8, intermediate_size=2048, block_size=512, batch_size=32,
@@ -97,6 +106,10 @@ SYNTHETIC_QUICK = dict(
     hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, block_size=32, batch_size=32,
     learning_rate=3e-3, warmup_steps=20, max_steps=120, max_eval_samples=500,
 )  # fmt: skip
+SYNTHETIC_MEDIUM = dict(
+    hidden_size=128, num_hidden_layers=2, num_attention_heads=4, intermediate_size=512, block_size=64, batch_size=64,
+    learning_rate=2e-3, warmup_steps=40, max_steps=400, max_eval_samples=1000,
+)  # fmt: skip
 SYNTHETIC_FULL = dict(
     hidden_size=256, num_hidden_layers=4, num_attention_heads=4, intermediate_size=1024, block_size=256,
     batch_size=64, learning_rate=1e-3, warmup_steps=500, max_steps=20000, max_eval_samples=2000,
@@ -104,9 +117,10 @@ SYNTHETIC_FULL = dict(
 
 # The task's settings in each profile (the weakest layer of settings).
 TASK_PROFILES = {
-    "clm": {"quick": TEXT_QUICK, "full": TEXT_FULL},
+    "clm": {"quick": TEXT_QUICK, "medium": TEXT_MEDIUM, "full": TEXT_FULL},
     "mlm": {
         "quick": dict(TEXT_QUICK, max_steps=50, finetune_max_steps=30, finetune_max_eval_samples=300),
+        "medium": dict(TEXT_MEDIUM, finetune_max_steps=200, finetune_max_eval_samples=None),
         # the LRPE paper's bidirectional model is RoBERTa-base: 12 layers x 768, 12 heads, FFN 3072
         "full": dict(
             TEXT_FULL,
@@ -133,6 +147,19 @@ TASK_PROFILES = {
             image_size=28,
             patch_size=4,
         ),  # fmt: skip
+        "medium": dict(
+            hidden_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=512,
+            batch_size=64,
+            learning_rate=2e-3,
+            warmup_steps=40,
+            max_steps=400,
+            max_eval_samples=None,
+            image_size=28,
+            patch_size=4,
+        ),  # fmt: skip
         # the LRPE paper's image model is DeiT-small: 12 layers x 384, 6 heads, FFN 1536
         "full": dict(
             hidden_size=384,
@@ -148,8 +175,8 @@ TASK_PROFILES = {
             patch_size=4,
         ),  # fmt: skip
     },
-    "copy": {"quick": SYNTHETIC_QUICK, "full": SYNTHETIC_FULL},
-    "recall": {"quick": SYNTHETIC_QUICK, "full": SYNTHETIC_FULL},
+    "copy": {"quick": SYNTHETIC_QUICK, "medium": SYNTHETIC_MEDIUM, "full": SYNTHETIC_FULL},
+    "recall": {"quick": SYNTHETIC_QUICK, "medium": SYNTHETIC_MEDIUM, "full": SYNTHETIC_FULL},
 }
 
 TABLE2_ENCODINGS = [
@@ -167,6 +194,7 @@ PRESETS = {
         mirrors="LRPE (Qin et al.) Table 2: autoregressive LM perplexity (WikiText-103); here the Wikipedia leads",
         encodings=TABLE2_ENCODINGS,
         quick={},
+        medium={},
         full={},
     ),
     "lrpe_table1": dict(
@@ -176,6 +204,7 @@ PRESETS = {
         # the paper's rows: Base (sinusoidal), RoPE, SPE, PER, Type 1, 2, 3
         encodings=["sinusoidal", "rope", "spe_sine", "permute", "lrpe_unitary", "lrpe_orthogonal", "lrpe_permutation"],
         quick={},
+        medium={},
         full={},
     ),
     "image": dict(
@@ -198,6 +227,7 @@ PRESETS = {
         # spe_conv's 2D filters of 128 (the paper's 1D length) cost 40x those of 16, which span every offset of
         # the 8 x 8 positions (7 x 7 patches and the class token) already
         quick=dict(config_overrides='{"spe_kernel_size": 16}'),
+        medium=dict(config_overrides='{"spe_kernel_size": 16}'),
         full=dict(config_overrides='{"spe_kernel_size": 16}'),
     ),
     "extrapolation": dict(
@@ -206,6 +236,7 @@ PRESETS = {
         "at 1x to 16x",
         encodings=["none", "sinusoidal", "rope", "permute", "spe_sine", "lrpe_orthogonal", "fastrpb", "softmax:rope"],
         quick=dict(block_size=64, eval_lengths=[64, 128, 256, 512, 1024], max_eval_samples=160),  # 10k tokens
+        medium=dict(block_size=128, eval_lengths=[128, 256, 512, 1024, 2048], max_eval_samples=160),  # 20k tokens
         full=dict(block_size=128, eval_lengths=[128, 256, 512, 1024, 2048]),
     ),
     "synthetic_copy": dict(
@@ -213,6 +244,7 @@ PRESETS = {
         mirrors="a task only relative position solves: output the token 4 positions back",
         encodings=SYNTHETIC_ENCODINGS,
         quick={},
+        medium={},
         full={},
     ),
     "synthetic_recall": dict(
@@ -220,6 +252,7 @@ PRESETS = {
         mirrors="multi-query associative recall (Zoology, H3): find the key, read the value after it",
         encodings=SYNTHETIC_ENCODINGS,
         quick=dict(synthetic_vocab_size=16),  # 8 pairs of 16 keys and 16 values: learnable in 120 steps
+        medium={},
         full={},
     ),
 }
@@ -227,7 +260,7 @@ PRESETS = {
 # How a sweep uses the machine, per profile: runs at once, and torch threads per run (0: torch's default). Tiny
 # models gain nothing from a second thread, and two-thread runs on a busy 2-core machine slow down many-fold
 # (measured 8x: OpenMP threads wait on each other), so the quick profile runs two one-thread runs at once.
-MACHINE = {"quick": dict(jobs=2, threads=1), "full": dict(jobs=1, threads=0)}
+MACHINE = {"quick": dict(jobs=2, threads=1), "medium": dict(jobs=2, threads=1), "full": dict(jobs=1, threads=0)}
 
 # Settings every task starts from, under its profile.
 DEFAULTS = dict(
@@ -276,7 +309,9 @@ class CompareArguments:
     _argument_group_name = "comparison: the sweep, the model and training budget, the data"
 
     preset: str | None = field(default=None, metadata=help_for(f"one of {', '.join(PRESETS)}"))
-    profile: str = field(default="quick", metadata=help_for("quick (2 CPU cores) or full (the papers' sizes, GPU)"))
+    profile: str = field(
+        default="quick", metadata=help_for("quick (2 CPU cores), medium (a GPU or a patient CPU), full (papers' sizes)")
+    )
     task: str | None = field(default=None, metadata=help_for(f"one of {', '.join(TASKS)}"))
     encodings: str | None = field(
         default=None, metadata=help_for("comma-separated: registered names, sinusoidal, learned, softmax:<name>")
@@ -285,7 +320,7 @@ class CompareArguments:
         default=None, metadata=help_for("comma-separated (default: each encoding's own, as its config picks)")
     )
     seeds: int | None = field(default=None, metadata=help_for("seeds 0..N-1 per encoding (default 3)"))
-    jobs: int | None = field(default=None, metadata=help_for("runs at once (quick: 2, full: 1)"))
+    jobs: int | None = field(default=None, metadata=help_for("runs at once (quick, medium: 2; full: 1)"))
     threads: int | None = field(default=None, metadata=help_for("torch threads per run (quick: 1; 0: torch's)"))
     output_dir: str | None = field(default=None, metadata=help_for("default out/compare/<preset or task>"))
     max_steps: int | None = field(default=None, metadata=help_for("training steps per run (pretraining for mlm)"))
