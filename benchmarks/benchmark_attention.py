@@ -43,7 +43,7 @@ def kernel_row(kind, tokens, device, reps):
                 ms = timed(lambda: causal_linear_attention(fq, fk, v), device, reps)
         return {"forward_ms": ms}
 
-    return in_child(run)
+    return in_child(run, device)
 
 
 def layer_row(encoding, attention, causal, tokens, device, reps, compile_layer=False):
@@ -79,7 +79,7 @@ def layer_row(encoding, attention, causal, tokens, device, reps, compile_layer=F
             "floor_train_ms": floor_train,
         }
 
-    return in_child(run)
+    return in_child(run, device)
 
 
 def main():

@@ -77,7 +77,7 @@ def train_row(name, tokens, device, reps):
         result = {"seconds": ms / 1000, "tokens_per_s": tokens / (ms / 1000), "peak_mb": memory}
         return result | ({"vm_hwm_mb": high_water_mark} if device == "cpu" else {})
 
-    return in_child(run)
+    return in_child(run, device)
 
 
 def generation_row(name, context, device, batch=1, new_tokens=16):
@@ -97,7 +97,7 @@ def generation_row(name, context, device, batch=1, new_tokens=16):
             total = timed(lambda: [one_token() for _ in range(new_tokens)], device, reps=1)
         return {"ms_per_token": total / new_tokens, "tokens_per_s": 1000 * batch * new_tokens / total}
 
-    return in_child(run)
+    return in_child(run, device)
 
 
 def main():

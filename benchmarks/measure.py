@@ -1,5 +1,6 @@
 """Timing and peak-memory helpers shared by the benchmark scripts."""
 
+import gc
 import json
 import os
 import resource
@@ -49,9 +50,19 @@ def peak_memory_mb(device, baseline_mb):
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - baseline_mb
 
 
-def in_child(fn):
+def in_child(fn, device="cpu"):
     """Run ``fn`` in a forked process (so its peak memory is its own) and return its result dict, or
-    {"error": ...} when it raised or was killed (for example for memory)."""
+    {"error": ...} when it raised or was killed (for example for memory). On CUDA, which cannot be used again in a
+    forked child once the parent has queried it, ``fn`` runs in this process: its peak memory is then read from
+    the allocator's peak, reset inside ``fn``."""
+    if device == "cuda":
+        try:
+            return fn()
+        except Exception as error:
+            return {"error": f"{type(error).__name__}: {str(error)[:80]}"}
+        finally:
+            gc.collect()
+            torch.cuda.empty_cache()
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:

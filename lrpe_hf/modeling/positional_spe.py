@@ -256,11 +256,12 @@ class ConvSPECodes(SPECodes):
         L, A = self.kernel_size, self.position_dims
         q = self.query_filters.double().flatten(2)
         k = self.key_filters.double()
-        taps = torch.stack(torch.meshgrid(*[torch.arange(L)] * A, indexing="ij"), dim=-1).reshape(-1, A)
+        taps = torch.stack(torch.meshgrid(*[torch.arange(L, device=q.device)] * A, indexing="ij"), dim=-1)
+        taps = taps.reshape(-1, A)
         out = []
         for lag in lags.tolist():
             # E[Qbar(m) Kbar(n)] / R = sum_j PhiQ[j] PhiK[j + (n - m)] with n - m = -lag
-            shifted = taps - torch.tensor(lag)
+            shifted = taps - torch.tensor(lag, device=q.device)
             valid = ((shifted >= 0) & (shifted < L)).all(-1)
             idx = shifted[valid]
             values = k[(slice(None), slice(None)) + tuple(idx[:, a] for a in range(A))]
@@ -289,7 +290,7 @@ class ConvSPECodes(SPECodes):
             if (
                 A == 1
                 and index.shape[1] == grid.shape[1]
-                and bool((index[..., 0] == torch.arange(index.shape[1])).all())
+                and bool((index[..., 0] == torch.arange(index.shape[1], device=index.device)).all())
             ):
                 return grid[None]  # one row covering lo..hi in order: no gather
             return grid[(slice(None),) + tuple(index[..., a] for a in range(A))].transpose(0, 1)
