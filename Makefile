@@ -35,20 +35,28 @@ demo: install
 	@echo "Results: $(OUT)/mlm/eval_results.json, $(OUT)/tweet_sentiment/eval_results.json; cards: README.md; plots: loss_curves.png"
 
 # The papers' comparisons at small scale (lrpe_hf/training/compare.py, README "Comparing encodings"): every preset in
-# the quick profile, 3 seeds, into $(REPRODUCE)/<preset>/ (results.md, results.csv, PNG plots). One BPE tokenizer,
-# trained once, serves the text presets. Killed, it resumes where it stopped. Under 30 minutes on 2 CPU cores.
-REPRODUCE ?= out/reproduce
+# one profile, 3 seeds, into $(REPRODUCE)/<preset>/ (results.md, results.csv, PNG plots). One BPE tokenizer,
+# trained once, serves the text presets. Killed, it resumes where it stopped. PROFILE=quick (the default): under 30
+# minutes on 2 CPU cores. PROFILE=medium: about 10 minutes on one GPU with SWEEP_FLAGS="--jobs 8 --threads 2".
+PROFILE ?= quick
+SWEEP_FLAGS ?=
+REPRODUCE ?= out/reproduce$(if $(filter-out quick,$(PROFILE)),-$(PROFILE))
+TOKENIZER_VOCAB_quick := 2048
+TOKENIZER_VOCAB_medium := 8192
+TOKENIZER_VOCAB_full := 16384
 TEXT_PRESETS := lrpe_table2 lrpe_table1 extrapolation
 OTHER_PRESETS := image synthetic_copy synthetic_recall
+
 reproduce: install
 	test -f $(REPRODUCE)/tokenizer/tokenizer.json || $(PYTHON) run_scripts/train_tokenizer.py \
-		--train_files data/wikipedia_leads/train.txt --vocab_size 2048 --output_dir $(REPRODUCE)/tokenizer
+		--train_files data/wikipedia_leads/train.txt --vocab_size $(TOKENIZER_VOCAB_$(PROFILE)) \
+		--output_dir $(REPRODUCE)/tokenizer
 	for preset in $(TEXT_PRESETS); do \
-		$(PYTHON) run_scripts/compare_encodings.py --preset $$preset --profile quick \
+		$(PYTHON) run_scripts/compare_encodings.py --preset $$preset --profile $(PROFILE) $(SWEEP_FLAGS) \
 			--tokenizer_name $(REPRODUCE)/tokenizer --output_dir $(REPRODUCE)/$$preset || exit 1; \
 	done
 	for preset in $(OTHER_PRESETS); do \
-		$(PYTHON) run_scripts/compare_encodings.py --preset $$preset --profile quick \
+		$(PYTHON) run_scripts/compare_encodings.py --preset $$preset --profile $(PROFILE) $(SWEEP_FLAGS) \
 			--output_dir $(REPRODUCE)/$$preset || exit 1; \
 	done
 	@echo "Results: $(REPRODUCE)/<preset>/results.md (and results.csv, *.png)"
