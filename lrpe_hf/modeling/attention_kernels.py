@@ -144,12 +144,39 @@ def causal_linear_attention(q, k, v, log_gates=None, initial_state=None, chunk_s
         query_decay = query_decay.masked_fill(~from_before, float("-inf"))
         chunk_decay = chunk_decay.masked_fill(~from_before[..., -1], float("-inf"))
     chunk_kv = (k * to_chunk_end.exp().to(k.dtype)[..., None]).transpose(-1, -2) @ v  # (B, H, nc, m, dv)
-    chunk_decay = chunk_decay.exp().to(v.dtype)[..., None, None]  # (B, H, nc, 1, 1)
     state = initial_state.to(v.dtype) if initial_state is not None else v.new_zeros(B, H, m, dv)
-    previous = []
-    for decay_c, kv_c in zip(chunk_decay.unbind(2), chunk_kv.unbind(2)):  # unbind: one stacked backward
-        previous.append(state)
-        state = decay_c * state + kv_c
-    previous = torch.stack(previous, dim=2)
+    previous, state = states_before_chunks(chunk_decay, chunk_kv, state)
     out = intra + (q * query_decay.exp().to(q.dtype)[..., None]) @ previous
     return out.reshape(B, H, num_chunks * C, dv)[:, :, :N], state
+
+
+def states_before_chunks(log_decay, chunk_kv, initial, group_size: int = 16):
+    """The recurrence S_{c+1} = exp(L_c) S_c + kv_c from S_0 = initial, in groups of chunks: inside a group, one
+    batched product with the decay matrix W[i, j] = exp(L_{j+1} + ... + L_{i-1}) (j < i); across groups, a loop
+    (N / (C * group_size) steps: a per-chunk loop costs a kernel launch per chunk on a GPU).
+
+    log_decay (B, H, nc) <= 0, -inf where a chunk drops the past; chunk_kv (B, H, nc, m, dv); initial (B, H, m, dv).
+    Returns the state before each chunk (B, H, nc, m, dv) and the final state (B, H, m, dv). The decays are only
+    summed, never subtracted, so -inf (a reset) and long sequences stay exact.
+    """
+    B, H, nc, m, dv = chunk_kv.shape
+    K = min(group_size, nc)
+    pad = (-nc) % K
+    log_decay, chunk_kv = F.pad(log_decay, (0, pad)), F.pad(chunk_kv, (0, 0, 0, 0, 0, pad))
+    groups = (nc + pad) // K
+    L = log_decay.view(B, H, groups, K)
+    # sum_{j < l < i} L_l for rows i = 0..K (row K: the end of the group) and columns j = 0..K-1
+    later = torch.arange(K, device=L.device)[:, None] > torch.arange(K, device=L.device)[None, :]  # l > j
+    partial = L[..., :, None].masked_fill(~later, 0.0).cumsum(-2)  # (…, l, j): sum_{j < l' <= l} L_l'
+    spans = torch.cat([torch.full_like(partial[..., :1, :], float("-inf")), partial], dim=-2)  # row i: l < i
+    before = torch.arange(K + 1, device=L.device)[:, None] > torch.arange(K, device=L.device)[None, :]  # j < i
+    weights = spans.masked_fill(~before, float("-inf")).exp().to(chunk_kv.dtype)  # (B, H, groups, K + 1, K)
+    local = weights @ chunk_kv.reshape(B, H, groups, K, m * dv)  # (B, H, groups, K + 1, m dv)
+    from_start = torch.cat([L.new_zeros(B, H, groups, 1), L.cumsum(-1)], dim=-1).exp().to(chunk_kv.dtype)
+    state = initial.reshape(B, H, 1, m * dv)
+    states = []
+    for local_g, from_start_g in zip(local.unbind(2), from_start.unbind(2)):
+        states.append(local_g + from_start_g[..., None] * state)  # (B, H, K + 1, m dv)
+        state = states[-1][:, :, K:]
+    previous = torch.stack(states, dim=2)[:, :, :, :K].reshape(B, H, groups * K, m, dv)[:, :, :nc]
+    return previous, state.reshape(B, H, m, dv)
