@@ -240,3 +240,39 @@ def test_rope_rotation_matches_rotary_embedding_torch():
     oracle = rotary.RotaryEmbedding(dim=16)
     torch.testing.assert_close(ours_q, oracle.rotate_queries_or_keys(q), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(ours_k, oracle.rotate_queries_or_keys(k), atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------- language-modelling loss
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_items", [None, 7])
+def test_causal_lm_loss_equals_transformers_for_causal_lm_loss(dtype, num_items):
+    """Value and gradient against Transformers' own ForCausalLMLoss (F.cross_entropy), ignored labels included,
+    over more rows than one block."""
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    from lrpe_hf.modeling import lm_loss
+
+    torch.manual_seed(0)
+    logits = (3 * torch.randn(3, lm_loss.ROWS_PER_BLOCK // 2 + 5, 37)).to(dtype).requires_grad_()
+    labels = torch.randint(0, 37, logits.shape[:2])
+    labels[0, :10] = -100
+    labels[2, 100:] = -100
+    ours = lm_loss.causal_lm_loss(logits, labels, 37, num_items_in_batch=num_items)
+    theirs = ForCausalLMLoss(logits, labels, 37, num_items_in_batch=num_items)
+    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+    grad_ours, grad_theirs = (torch.autograd.grad(loss, logits)[0] for loss in (ours, theirs))
+    assert grad_ours.dtype == dtype
+    torch.testing.assert_close(grad_ours.float(), grad_theirs.float(), atol=1e-6, rtol=0.01)
+    shifted = torch.randint(0, 37, labels.shape)  # labels given already shifted
+    torch.testing.assert_close(
+        lm_loss.causal_lm_loss(logits, None, 37, shift_labels=shifted),
+        ForCausalLMLoss(logits, None, 37, shift_labels=shifted),
+        atol=1e-5,
+        rtol=1e-5,
+    )
+
+
+def test_causal_lm_loss_of_no_counted_token_is_nan_like_cross_entropy():
+    from lrpe_hf.modeling.lm_loss import causal_lm_loss
+
+    assert torch.isnan(causal_lm_loss(torch.randn(1, 4, 5), torch.full((1, 4), -100), 5))

@@ -16,6 +16,7 @@ from transformers.utils import can_return_tuple
 
 from .cache import LinearAttentionCache
 from .configuration_linear_gpt import LinearGPTConfig
+from .lm_loss import causal_lm_loss
 from .positional_absolute import build_absolute_position_embedding
 from .positions import default_position_ids, mask_as_bool
 from .transformer_stack import LinearPreTrainedModel, LinearTransformerStack, check_single_segment
@@ -144,7 +145,7 @@ class LinearGPTForCausalLM(LinearGPTPreTrainedModel, GenerationMixin):
         logits = self.lm_head(outputs.last_hidden_state[:, keep])
         loss = None
         if labels is not None:
-            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+            loss = causal_lm_loss(logits, labels, self.config.vocab_size, **kwargs)
         return CausalLMOutputWithPast(
             loss=loss, logits=logits, past_key_values=outputs.past_key_values, hidden_states=outputs.hidden_states
         )
