@@ -60,7 +60,8 @@ def in_child(fn, device="cpu"):
             return fn()
         except Exception as error:
             return {"error": f"{type(error).__name__}: {str(error)[:80]}"}
-        finally:
+        finally:  # the next configuration starts clean: no tensors, no compiled graphs (dynamo caps recompiles)
+            torch._dynamo.reset()
             gc.collect()
             torch.cuda.empty_cache()
     read, write = os.pipe()

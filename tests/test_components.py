@@ -276,3 +276,30 @@ def test_causal_lm_loss_of_no_counted_token_is_nan_like_cross_entropy():
     from lrpe_hf.modeling.lm_loss import causal_lm_loss
 
     assert torch.isnan(causal_lm_loss(torch.randn(1, 4, 5), torch.full((1, 4), -100), 5))
+
+
+def test_causal_lm_loss_ignores_non_finite_logits_of_ignored_rows():
+    """An ignored row may hold -inf or inf (a masked vocabulary, an overflow on padding): no nan may leak."""
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    from lrpe_hf.modeling.lm_loss import causal_lm_loss
+
+    logits = torch.randn(1, 5, 7)
+    logits[0, 1, 0], logits[0, 3] = float("-inf"), float("inf")
+    logits.requires_grad_()
+    labels = torch.tensor([[1, 2, -100, 4, -100]])  # rows 1 and 3 predict the ignored labels 2 and 4
+    ours = causal_lm_loss(logits, labels, 7)
+    torch.testing.assert_close(ours, ForCausalLMLoss(logits.detach(), labels, 7))
+    (grad,) = torch.autograd.grad(ours, logits)
+    assert torch.isfinite(grad).all() and (grad[0, 1] == 0).all() and (grad[0, 3] == 0).all()
+
+
+def test_a_user_loss_function_replaces_the_default_causal_lm_loss():
+    from lrpe_hf import LinearGPTConfig, LinearGPTForCausalLM
+
+    model = LinearGPTForCausalLM(
+        LinearGPTConfig(num_hidden_layers=1, hidden_size=16, num_attention_heads=2, intermediate_size=32, vocab_size=20)
+    )
+    ids = torch.randint(0, 20, (2, 6))
+    model.loss_function = lambda logits, labels, vocab_size, **kwargs: logits.sum() * 0 + 42.0
+    assert float(model(input_ids=ids, labels=ids).loss) == 42.0

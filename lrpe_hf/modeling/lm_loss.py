@@ -29,18 +29,17 @@ class CrossEntropySum(torch.autograd.Function):
         safe_targets = targets.masked_fill(~kept, 0)
         picked = logits.gather(1, safe_targets[:, None])[:, 0].float()
         ctx.save_for_backward(logits, safe_targets, kept, log_partition)
-        return ((log_partition - picked) * kept).sum()
+        return torch.where(kept, log_partition - picked, 0.0).sum()  # where, not * kept: ignored rows may be inf
 
     @staticmethod
     def backward(ctx, grad_loss):
         logits, targets, kept, log_partition = ctx.saved_tensors
         grad = torch.empty_like(logits)
-        row_scale = kept.float() * grad_loss  # (T,): 0 on ignored rows
         for block in range(0, logits.shape[0], ROWS_PER_BLOCK):
             rows = slice(block, block + ROWS_PER_BLOCK)
             probabilities = torch.exp(logits[rows].float() - log_partition[rows, None])
             probabilities.scatter_add_(1, targets[rows, None], -torch.ones_like(probabilities[:, :1]))
-            grad[rows] = probabilities * row_scale[rows, None]
+            grad[rows] = torch.where(kept[rows, None], probabilities * grad_loss, 0.0)
         return grad, None, None
 
 

@@ -145,7 +145,11 @@ class LinearGPTForCausalLM(LinearGPTPreTrainedModel, GenerationMixin):
         logits = self.lm_head(outputs.last_hidden_state[:, keep])
         loss = None
         if labels is not None:
-            loss = causal_lm_loss(logits, labels, self.config.vocab_size, **kwargs)
+            # Transformers' hook when the user set one (model.loss_function = fn, or another config.loss_type);
+            # otherwise the same loss as its ForCausalLMLoss, without full-size temporaries
+            custom = hasattr(self, "_loss_function") or getattr(self, "loss_type", None) != "ForCausalLM"
+            loss_function = self.loss_function if custom else causal_lm_loss
+            loss = loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
         return CausalLMOutputWithPast(
             loss=loss, logits=logits, past_key_values=outputs.past_key_values, hidden_states=outputs.hidden_states
         )
