@@ -190,11 +190,11 @@ def summary(rows):
             softmax = lookup(rows, "layer", "softmax+none", mode, tokens, "forward_ms")
             if softmax:
                 line += f"; softmax (SDPA) layer forward {softmax:.1f} ms: {softmax / row['forward_ms']:.1f}x slower"
-            compiled = {k: lookup(rows, "layer", "compiled none", mode, tokens, k) for k in FLOOR_KEYS[:2]}
-            if all(compiled.values()):
+            compiled = {k: lookup(rows, "layer", "compiled none", mode, tokens, k) for k in FLOOR_KEYS}
+            if all(compiled.values()):  # over the projections measured beside the compiled layer, in its child
                 line += (
-                    f"; under torch.compile: forward {compiled['forward_ms'] / floor:.2f}x, forward+backward "
-                    f"{compiled['train_ms'] / row['floor_train_ms']:.2f}x"
+                    f"; under torch.compile: forward {compiled['forward_ms'] / compiled['floor_forward_ms']:.2f}x, "
+                    f"forward+backward {compiled['train_ms'] / compiled['floor_train_ms']:.2f}x"
                 )
             lines.append(line)
     for mode in ("causal", "bidirectional"):
