@@ -192,6 +192,12 @@ def test_flags_override_the_preset_which_overrides_the_profile(tmp_path):
     assert settings["train_file"].endswith("data/wikipedia_leads/train.txt")  # the embedded data
     full = compare.resolve(compare.CompareArguments(preset="lrpe_table2", profile="full"))
     assert full["hidden_size"] == 512 and full["jobs"] == 1 and full["output_dir"] == "out/compare/lrpe_table2"
+    # the medium profile: the setup of the 400-step runs in docs/results.md, every preset and task defined
+    medium = compare.resolve(compare.CompareArguments(preset="extrapolation", profile="medium"))
+    assert (medium["hidden_size"], medium["block_size"], medium["max_steps"]) == (128, 128, 400)
+    assert medium["eval_lengths"] == [128, 256, 512, 1024, 2048] and medium["tokenizer_vocab_size"] == 8192
+    for preset in compare.PRESETS:
+        assert compare.resolve(compare.CompareArguments(preset=preset, profile="medium"))["max_steps"] == 400
 
 
 def test_without_feature_maps_each_encoding_gets_its_default(tmp_path):
