@@ -115,6 +115,11 @@ SYNTHETIC_FULL = dict(
     batch_size=64, learning_rate=1e-3, warmup_steps=500, max_steps=20000, max_eval_samples=2000,
 )  # fmt: skip
 
+IMAGE_QUICK = dict(
+    hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, batch_size=32,
+    learning_rate=2e-3, warmup_steps=10, max_steps=50, max_eval_samples=None, image_size=28, patch_size=4,
+)  # fmt: skip
+
 # The task's settings in each profile (the weakest layer of settings).
 TASK_PROFILES = {
     "clm": {"quick": TEXT_QUICK, "medium": TEXT_MEDIUM, "full": TEXT_FULL},
@@ -134,34 +139,13 @@ TASK_PROFILES = {
         ),  # fmt: skip
     },
     "image": {
-        "quick": dict(
-            hidden_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            intermediate_size=128,
-            batch_size=32,
-            learning_rate=2e-3,
-            warmup_steps=10,
-            max_steps=50,
-            max_eval_samples=None,
-            image_size=28,
-            patch_size=4,
-        ),  # fmt: skip
+        "quick": IMAGE_QUICK,
         "medium": dict(
-            hidden_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            intermediate_size=512,
-            batch_size=64,
-            learning_rate=2e-3,
-            warmup_steps=40,
-            max_steps=400,
-            max_eval_samples=None,
-            image_size=28,
-            patch_size=4,
-        ),  # fmt: skip
+            IMAGE_QUICK, hidden_size=128, intermediate_size=512, batch_size=64, warmup_steps=40, max_steps=400
+        ),
         # the LRPE paper's image model is DeiT-small: 12 layers x 384, 6 heads, FFN 1536
         "full": dict(
+            IMAGE_QUICK,
             hidden_size=384,
             num_hidden_layers=12,
             num_attention_heads=6,
@@ -170,9 +154,6 @@ TASK_PROFILES = {
             learning_rate=5e-4,
             warmup_steps=500,
             max_steps=10000,
-            max_eval_samples=None,
-            image_size=28,
-            patch_size=4,
         ),  # fmt: skip
     },
     "copy": {"quick": SYNTHETIC_QUICK, "medium": SYNTHETIC_MEDIUM, "full": SYNTHETIC_FULL},
