@@ -162,7 +162,8 @@ def states_before_chunks(log_decay, chunk_kv, initial, group_size: int = 16):
     B, H, nc, m, dv = chunk_kv.shape
     K = min(group_size, nc)
     pad = (-nc) % K
-    log_decay, chunk_kv = F.pad(log_decay, (0, pad)), F.pad(chunk_kv, (0, 0, 0, 0, 0, pad))
+    if pad:  # padded chunks carry nothing and keep the state (decay exp(0) = 1)
+        log_decay, chunk_kv = F.pad(log_decay, (0, pad)), F.pad(chunk_kv, (0, 0, 0, 0, 0, pad))
     groups = (nc + pad) // K
     L = log_decay.view(B, H, groups, K)
     # sum_{j < l < i} L_l for rows i = 0..K (row K: the end of the group) and columns j = 0..K-1

@@ -26,7 +26,8 @@ class LinearAttentionConfig(PreTrainedConfig, AttentionConfigFields):
         positional_encoding: one of ``lrpe_hf.POSITIONAL_ENCODINGS`` (the registered encodings).
         absolute_position_embedding: ``none``, ``sinusoidal`` or ``learned``, added to the input embeddings (the
             sinusoids at the amplitude of the token embeddings at initialisation: see ``positional_absolute``).
-        feature_map: one of ``lrpe_hf.FEATURE_MAPS`` (linear attention; default ``elu``).
+        feature_map: one of ``lrpe_hf.FEATURE_MAPS`` (linear attention; default: the encoding's paper's, ``elu``
+            except ``relu`` for ``permute`` and ``exp`` for ``fastrpb``).
         attention: ``linear`` or ``softmax`` (the quadratic baseline).
         normalization: ``denominator``, ``unrotated_denominator`` or ``output_norm`` (default per encoding).
         The other fields are those of ``lrpe_hf.AttentionOptions`` (chunk size, LRPE, PermuteFormer, SPE,
