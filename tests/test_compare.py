@@ -205,7 +205,7 @@ def test_without_feature_maps_each_encoding_gets_its_default(tmp_path):
         compare.CompareArguments(task="copy", encodings="rope,permute,learned,softmax:rope", output_dir=str(tmp_path))
     )
     runs = compare.plan_runs(settings)
-    expected = [compare.default_feature_map(name) for name in ("rope", "permute", "none")] + ["-"]
+    expected = ["elu", "relu", "elu", "-"]  # rope: 1 + elu; permute: its paper's relu; learned: none's elu
     assert [run["feature_map"] for run in runs[:4]] == expected
     assert [run["name"] for run in runs[:4]][-1] == "softmax_rope-seed0"
     assert len(runs) == 4 * settings["seeds"]
