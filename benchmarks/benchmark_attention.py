@@ -8,7 +8,8 @@ Two parts, measured side by side in one run (the machine may be shared and noisy
    forward+backward time and peak memory of forward+backward, next to the same layer with softmax attention,
    and next to the layer's floor: its four projections alone (forward, and forward+backward), in the same child.
 
-Every configuration runs in a forked child process, so that its peak resident memory can be read on a CPU.
+On a CPU every configuration runs in a forked child process, so that its peak resident memory can be read; on
+CUDA it runs in this process and its memory is the allocator's peak, reset before it.
 Writes ``results.csv``, ``results.md`` and ``results.png`` to ``--out`` and prints the summary of ratios.
 
     python benchmarks/benchmark_attention.py                   # 512 ... 32k tokens, every encoding

@@ -1,7 +1,8 @@
 """LinearGPT against Transformers' GPT-2 (SDPA) at the same size: training step and generation latency.
 
 Both models: 6 layers x 512, 8 heads, FFN 2048, vocabulary 8192, batch 1, fp32. Measured side by side in
-one run, each configuration in a forked child (peak memory of its own):
+one run, each configuration on a CPU in a forked child (peak memory of its own; on CUDA in this process, from a
+reset allocator peak):
 
 - forward+backward of one sequence of N tokens (LM loss): seconds, tokens/s, peak memory (growth, and on a CPU
   the child's VmHWM: its peak resident memory, the first step included);
