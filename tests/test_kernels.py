@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from lrpe_hf.modeling import attention_kernels
 from lrpe_hf.modeling.attention_kernels import bidirectional_linear_attention, causal_linear_attention
 from lrpe_hf.modeling.feature_maps import EluFeatureMap
 from lrpe_hf.modeling.transformer_layer import MLP
@@ -37,6 +38,18 @@ def quadratic_causal(q, k, v, log_gates, initial, resets):
 def test_causal_values_and_gradients_equal_the_quadratic_formula(
     num_tokens, chunk_size, gated, with_initial, with_resets
 ):
+    check_causal_against_quadratic(num_tokens, chunk_size, gated, with_initial, with_resets)
+
+
+@pytest.mark.parametrize("heads_at_once", [1, 4])
+@pytest.mark.parametrize("with_initial", [False, True])
+def test_causal_product_in_blocks_of_heads_equals_the_quadratic_formula(heads_at_once, with_initial, monkeypatch):
+    """Long inputs go through the ungated product a few heads at a time (6 heads: blocks of 1, and of 4 then 2)."""
+    monkeypatch.setattr(attention_kernels, "heads_per_block", lambda *shape: heads_at_once)
+    check_causal_against_quadratic(29, 4, False, with_initial, False)
+
+
+def check_causal_against_quadratic(num_tokens, chunk_size, gated, with_initial, with_resets):
     torch.manual_seed(0)
     B, H, N, m, dv = 2, 3, num_tokens, 5, 6
     q, k = (torch.rand(B, H, N, m, dtype=torch.float64, requires_grad=True) for _ in range(2))

@@ -27,9 +27,31 @@ def bidirectional_linear_attention(q, k, v, documents=None):
     return torch.einsum("bhdne,bnd->bhne", out, one_hot)
 
 
+def heads_per_block(num_heads: int, num_chunks: int, chunk_size: int, budget: int = 1 << 20) -> int:
+    """How many heads the chunked product handles at once: as many as keep one block's C x C scores within
+    ``budget`` elements (4 MB in float32). Small blocks stay in the CPU's caches and in the allocator's reused
+    memory; a full-size temporary costs a fresh allocation (page faults) and a trip through main memory."""
+    return max(1, min(num_heads, budget // (num_chunks * chunk_size * chunk_size)))
+
+
+def add_state_products(target, left, states, initial, num_chunks):
+    """target[c] += left[c] @ states[c - 1] for every chunk c of every head, and left[c] @ initial (or nothing) for
+    each head's first chunk. target, left (heads * nc, C, ·); states (heads * nc, ·, ·) the inclusive running
+    states; initial (heads, ·, ·) or None. One batched product over the whole block, offset by one chunk; the
+    heads' first chunks, which it pairs with the previous head's last state, are put back and fixed."""
+    firsts = torch.arange(0, target.shape[0], num_chunks, device=target.device)
+    kept = target.index_select(0, firsts[1:])
+    target[1:].baddbmm_(left[1:], states[:-1])
+    target.index_copy_(0, firsts[1:], kept)
+    if initial is not None:
+        target.index_add_(0, firsts, torch.bmm(left.index_select(0, firsts), initial))
+
+
 class ChunkedCausalProduct(torch.autograd.Function):
     """The ungated causal product in chunks: out_s = q_s S_0 + sum_{t<=s} (q_s . k_t) v_t and the final state
-    S_0 + sum_t k_t v_t^T. Backward recomputes the intra-chunk scores instead of saving them.
+    S_0 + sum_t k_t v_t^T. Blocks of heads at a time (``heads_per_block``), so the C x C scores and the per-chunk
+    states are never materialised for the whole input. Backward recomputes the scores and the states instead
+    of saving them: only q, k and v are saved.
 
     q, k (G, nc, C, m) and v (G, nc, C, dv) contiguous, G = B * H; initial (G, m, dv) or None.
     Returns out (G, nc, C, dv) and the final state (G, m, dv).
@@ -39,38 +61,65 @@ class ChunkedCausalProduct(torch.autograd.Function):
     def forward(ctx, q, k, v, initial):
         G, nc, C, m = q.shape
         dv = v.shape[-1]
-        qf, kf, vf = q.view(-1, C, m), k.view(-1, C, m), v.view(-1, C, dv)
-        kv = torch.bmm(kf.transpose(1, 2), vf).view(G, nc, m, dv)
-        start = initial.to(kv.dtype) if initial is not None else kv.new_zeros(G, m, dv)
-        previous = torch.cat([start[:, None], kv[:, :-1]], dim=1).cumsum_(1)  # the state before each chunk
-        final = previous[:, -1] + kv[:, -1]
-        scores = torch.bmm(qf, kf.transpose(1, 2)).tril_()
-        out = torch.bmm(scores, vf).baddbmm_(qf, previous.view(-1, m, dv))
-        ctx.save_for_backward(q, k, v, previous)
-        ctx.has_initial = initial is not None
-        return out.view(G, nc, C, dv), final
+        out = v.new_empty(G, nc, C, dv)
+        final = v.new_empty(G, m, dv)
+        step = heads_per_block(G, nc, C)
+        for h in range(0, G, step):
+            heads = slice(h, h + step)
+            qf, kf, vf = (x[heads].view(-1, C, x.shape[-1]) for x in (q, k, v))
+            start = initial[heads].to(v.dtype) if initial is not None else None
+            states = ChunkedCausalProduct.running_states(kf, vf, start, nc)
+            final[heads] = states.view(-1, nc, m, dv)[:, -1]
+            out_block = out[heads].view(-1, C, dv)
+            torch.bmm(torch.bmm(qf, kf.transpose(1, 2)).tril_(), vf, out=out_block)
+            add_state_products(out_block, qf, states, start, nc)
+        ctx.save_for_backward(q, k, v, initial)
+        return out, final
+
+    @staticmethod
+    def running_states(kf, vf, start, num_chunks):
+        """The inclusive state after each chunk, start + sum_{c' <= c} k_c'^T v_c': (heads * nc, m, dv)."""
+        states = torch.bmm(kf.transpose(1, 2), vf)
+        if start is not None:
+            states[::num_chunks] += start
+        blocked = states.view(-1, num_chunks, *states.shape[1:])
+        blocked.cumsum_(1)
+        return states
 
     @staticmethod
     def backward(ctx, grad_out, grad_final):
-        q, k, v, previous = ctx.saved_tensors
+        q, k, v, initial = ctx.saved_tensors
         G, nc, C, m = q.shape
         dv = v.shape[-1]
-        qf, kf, vf = q.view(-1, C, m), k.view(-1, C, m), v.view(-1, C, dv)
-        go = grad_out.contiguous().view(-1, C, dv)
-        scores = torch.bmm(qf, kf.transpose(1, 2)).tril_()
-        grad_scores = torch.bmm(go, vf.transpose(1, 2)).tril_()
-        grad_previous = torch.bmm(qf.transpose(1, 2), go).view(G, nc, m, dv)
-        # kv_c reaches the state before every later chunk and the final state: a suffix sum
-        after = [grad_previous[:, 1:]]
-        after.append((grad_final if grad_final is not None else torch.zeros_like(grad_previous[:, 0]))[:, None])
-        grad_kv = torch.cat(after, dim=1).flip(1).cumsum_(1).flip(1).reshape(-1, m, dv)
-        grad_q = torch.bmm(grad_scores, kf).baddbmm_(go, previous.view(-1, m, dv).transpose(1, 2))
-        grad_k = torch.bmm(grad_scores.transpose(1, 2), qf).baddbmm_(vf, grad_kv.transpose(1, 2))
-        grad_v = torch.bmm(scores.transpose(1, 2), go).baddbmm_(kf, grad_kv)
-        grad_initial = None
-        if ctx.has_initial:
-            grad_initial = grad_previous.sum(1) + (grad_final if grad_final is not None else 0)
-        return (grad_q.view(q.shape), grad_k.view(k.shape), grad_v.view(v.shape), grad_initial)
+        grad_out = grad_out.contiguous()
+        grad_q, grad_k, grad_v = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        grad_initial = v.new_empty(G, m, dv) if initial is not None else None
+        step = heads_per_block(G, nc, C)
+        for h in range(0, G, step):
+            heads = slice(h, h + step)
+            qf, kf, vf, go = (x[heads].view(-1, C, x.shape[-1]) for x in (q, k, v, grad_out))
+            start = initial[heads].to(v.dtype) if initial is not None else None
+            states = ChunkedCausalProduct.running_states(kf, vf, start, nc)
+            # kv_c reaches every later chunk's queries and the final state: its gradient is the sum of
+            # q_c'^T go_c' over c' > c, plus grad_final; written as the total minus the prefix sum up to c
+            later = torch.bmm(qf.transpose(1, 2), go).view(-1, nc, m, dv).cumsum_(1)
+            total = later[:, -1].clone()
+            if grad_final is not None:
+                total += grad_final[heads]
+            later.neg_().add_(total[:, None])
+            if grad_initial is not None:
+                grad_initial[heads] = total
+            later = later.view(-1, m, dv)
+            grad_scores = torch.bmm(go, vf.transpose(1, 2)).tril_()
+            scores = torch.bmm(qf, kf.transpose(1, 2)).tril_()
+            dq = grad_q[heads].view(-1, C, m)
+            torch.bmm(grad_scores, kf, out=dq)
+            add_state_products(dq, go, states.transpose(1, 2), None if start is None else start.transpose(1, 2), nc)
+            torch.bmm(grad_scores.transpose(1, 2), qf, out=grad_k[heads].view(-1, C, m)).baddbmm_(
+                vf, later.transpose(1, 2)
+            )
+            torch.bmm(scores.transpose(1, 2), go, out=grad_v[heads].view(-1, C, dv)).baddbmm_(kf, later)
+        return grad_q, grad_k, grad_v, grad_initial
 
 
 def default_chunk_size(num_tokens: int) -> int:
