@@ -6,6 +6,7 @@ import torch
 from lrpe_hf.modeling import attention_kernels
 from lrpe_hf.modeling.attention_kernels import bidirectional_linear_attention, causal_linear_attention
 from lrpe_hf.modeling.feature_maps import EluFeatureMap
+from lrpe_hf.modeling.kernel_attention import DivideByLastColumn, nonzero
 from lrpe_hf.modeling.transformer_layer import MLP
 
 
@@ -109,3 +110,31 @@ def test_shifted_elu_feature_map_is_contiguous_with_the_plain_gradient():
     torch.testing.assert_close(out, expected)
     grad = torch.randn_like(out)
     torch.testing.assert_close(torch.autograd.grad(out, x, grad)[0], torch.autograd.grad(expected, x, grad)[0])
+
+
+@pytest.mark.parametrize("eps_kind", ["number", "tensor", "guarded"])
+def test_division_by_the_last_column_has_the_plain_values_and_gradients(eps_kind):
+    """out[..., :-1] / (out[..., -1:] + eps), written in the heads-merged memory order: values and gradients
+    of the plain expression, eps a number or a per-row tensor; the guard turns an underflowed row into 0."""
+    torch.manual_seed(0)
+    out = torch.randn(2, 3, 5, 5, dtype=torch.float64)
+    out[..., -1] = out[..., -1].abs() + 0.5
+    eps = 1e-3 if eps_kind == "number" else torch.rand(2, 3, 5, 1, dtype=torch.float64, requires_grad=True)
+    guard = nonzero if eps_kind == "guarded" else None
+    if guard:
+        out[0, 0, 0, -1] = 1e-320  # a row whose denominator underflowed
+        eps = eps.detach().clone()
+        eps[0, 0, 0] = 0.0
+        eps.requires_grad_()
+    out.requires_grad_()
+    got = DivideByLastColumn.apply(out, eps, guard)
+    denominator = out[..., -1:] + eps
+    expected = out[..., :-1] / (guard(denominator) if guard else denominator)
+    torch.testing.assert_close(got, expected)
+    assert got.transpose(1, 2).is_contiguous()  # heads merge with a view
+    if guard:
+        assert torch.all(got[0, 0, 0] == 0)
+    inputs = [x for x in (out, eps) if isinstance(x, torch.Tensor)]
+    grad = torch.randn_like(got)
+    for g, w in zip(torch.autograd.grad(got, inputs, grad), torch.autograd.grad(expected, inputs, grad)):
+        torch.testing.assert_close(g, w)

@@ -34,12 +34,35 @@ def nonzero(denominator: torch.Tensor) -> torch.Tensor:
     return denominator.masked_fill(denominator.abs() < torch.finfo(denominator.dtype).tiny, float("inf"))
 
 
-def divide_by_last_column(out: torch.Tensor, eps, guard=None) -> torch.Tensor:
-    """out[..., :-1] / (out[..., -1:] + eps), (..., d + 1) -> (..., d): one split and a multiplication by the
-    reciprocal, whose backward makes two full-size passes where slicing and dividing make six."""
-    numerator, denominator = out.split([out.shape[-1] - 1, 1], dim=-1)
-    denominator = denominator + eps
-    return numerator * (guard(denominator) if guard else denominator).reciprocal()
+class DivideByLastColumn(torch.autograd.Function):
+    """out[..., :-1] / guard(out[..., -1:] + eps), (B, H, N, d + 1) -> (B, H, N, d), written in the memory order
+    (B, N, H, d) that the output projection reads: the heads are merged by a view, not by one more copy. ``eps``
+    is a number or a tensor broadcastable to (B, H, N, 1); ``guard`` maps the denominator before its reciprocal
+    is taken (``nonzero``), or is None. Saves the result and the (B, H, N, 1) reciprocal only."""
+
+    @staticmethod
+    def forward(ctx, out, eps, guard=None):
+        numerator, denominator = out.split([out.shape[-1] - 1, 1], dim=-1)
+        denominator = denominator + eps
+        reciprocal = (guard(denominator) if guard else denominator).reciprocal()
+        B, H, N, d = numerator.shape
+        result = torch.mul(numerator, reciprocal, out=numerator.new_empty(B, N, H, d).transpose(1, 2))
+        ctx.save_for_backward(result, reciprocal)
+        ctx.eps_shape = eps.shape if isinstance(eps, torch.Tensor) else None
+        return result
+
+    @staticmethod
+    def backward(ctx, grad):
+        result, reciprocal = ctx.saved_tensors
+        grad_out = grad.new_empty(*result.shape[:-1], result.shape[-1] + 1)
+        torch.mul(grad, reciprocal, out=grad_out[..., :-1])
+        # d(n / D)/dD = -(n / D) / D: the result times the reciprocal, summed with the output's gradient
+        grad_denominator = torch.linalg.vecdot(grad, result, dim=-1).unsqueeze(-1).mul_(reciprocal).neg_()
+        grad_out[..., -1:] = grad_denominator
+        grad_eps = None
+        if ctx.needs_input_grad[1]:
+            grad_eps = grad_denominator.sum_to_size(ctx.eps_shape)
+        return grad_out, grad_eps, None
 
 
 @dataclass
@@ -100,7 +123,7 @@ class KernelAttention(nn.Module):
             return self.layer_norm_over_heads(out, features.log_scale)
         if features.log_scale is None:
             if self.normalization == "denominator":
-                return divide_by_last_column(out, self.eps)
+                return DivideByLastColumn.apply(out, self.eps)
             if self.normalization == "unrotated_denominator":
                 return out / (self.unrotated_denominator(features.query, features.key, gates, state, starts) + self.eps)
             return self.output_norm(out.to(self.output_norm.weight.dtype)).to(out.dtype)  # fused kernel under autocast
@@ -108,7 +131,7 @@ class KernelAttention(nn.Module):
         # over ~80 or more in float32) has no precision left: its output is 0 instead of noise or NaN.
         eps = self.eps * torch.exp(-features.log_scale).to(out.dtype)
         if self.normalization == "denominator":
-            return divide_by_last_column(out, eps, nonzero)
+            return DivideByLastColumn.apply(out, eps, nonzero)
         if self.normalization == "unrotated_denominator":
             return out / nonzero(self.unrotated_denominator(features.query, features.key, gates, state, starts) + eps)
         # RMSNorm is scale-free: divide by the row's largest entry first, so that squaring cannot underflow.
