@@ -242,6 +242,33 @@ def test_rope_rotation_matches_rotary_embedding_torch():
     torch.testing.assert_close(ours_k, oracle.rotate_queries_or_keys(k), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("width", [6, 7])  # 7: one feature passes through unrotated
+def test_rotation_of_queries_and_keys_has_the_gradients_of_the_written_out_rotation(width):
+    """The lighter backward (outputs turned back by -angle) against autograd through the real 2x2 rotation
+    [e cos - o sin, e sin + o cos], angles broadcast over the batch and learnable as for LRPE's Type 2."""
+    from lrpe_hf.modeling.positional_rope import rotate_queries_and_keys
+
+    torch.manual_seed(0)
+    q, k = (torch.randn(2, 3, 5, width, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    angles = (10 * torch.randn(1, 3, 5, 3, dtype=torch.float64)).requires_grad_()
+
+    def written_out(x, cos, sin):
+        even, odd, rest = x[..., 0:6:2], x[..., 1:6:2], x[..., 6:]
+        rotated = torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1).flatten(-2)
+        return torch.cat([rotated, rest], dim=-1)
+
+    ours = rotate_queries_and_keys(q, k, angles.cos(), angles.sin())
+    expected = written_out(q, angles.cos(), angles.sin()), written_out(k, angles.cos(), angles.sin())
+    grads = [torch.randn_like(x) for x in expected]
+    for got, want in zip(ours, expected):
+        torch.testing.assert_close(got, want)
+    inputs = (q, k, angles)
+    got = torch.autograd.grad(ours, inputs, grads)
+    want = torch.autograd.grad(expected, inputs, grads)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+
+
 # ---------------------------------------------------------------- language-modelling loss
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_items", [None, 7])

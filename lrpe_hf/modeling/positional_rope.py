@@ -12,15 +12,64 @@ from .positional_encoding import PositionalEncoding, axis_of_each, unit_cos_sin,
 def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate consecutive pairs of ``x`` (..., m) by angles given as ``cos``, ``sin`` (..., P), P <= m // 2;
     the remaining features pass through. Each pair is a complex number multiplied by exp(i angle)."""
-    num_pairs = cos.shape[-1]
+    if x.dtype in (torch.float32, torch.float64):
+        return multiply_pairs(x, torch.complex(cos, sin))
+    num_pairs = cos.shape[-1]  # half precision has no complex kernels on every device
     pairs, rest = x[..., : 2 * num_pairs], x[..., 2 * num_pairs :]
-    if x.dtype in (torch.float32, torch.float64):  # complex multiply: half the passes of the real form
-        as_complex = torch.view_as_complex(pairs.unflatten(-1, (num_pairs, 2)).contiguous())
-        rotated = torch.view_as_real(as_complex * torch.complex(cos, sin)).flatten(-2)
-    else:  # half precision has no complex kernels on every device
-        even, odd = pairs[..., 0::2], pairs[..., 1::2]
-        rotated = torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1).flatten(-2)
+    even, odd = pairs[..., 0::2], pairs[..., 1::2]
+    rotated = torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1).flatten(-2)
     return torch.cat([rotated, rest], dim=-1) if rest.shape[-1] else rotated
+
+
+def multiply_pairs(x: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+    """x (..., m) with its first P pairs read as complex numbers and multiplied by ``factor`` (..., P) complex."""
+    num_pairs = factor.shape[-1]
+    pairs, rest = x[..., : 2 * num_pairs], x[..., 2 * num_pairs :]
+    as_complex = torch.view_as_complex(pairs.unflatten(-1, (num_pairs, 2)).contiguous())
+    rotated = torch.view_as_real(as_complex * factor).flatten(-2)
+    return torch.cat([rotated, rest], dim=-1) if rest.shape[-1] else rotated
+
+
+def as_pairs(x: torch.Tensor, num_pairs: int) -> torch.Tensor:
+    """The first ``num_pairs`` pairs of x (..., m) as complex numbers (..., P)."""
+    return torch.view_as_complex(x[..., : 2 * num_pairs].unflatten(-1, (num_pairs, 2)).contiguous())
+
+
+class RotateQueriesAndKeys(torch.autograd.Function):
+    """``rotate_pairs`` of q and k (float32 or float64) by the same angles, saving only the rotated outputs (the
+    attention saves them too) and cos, sin: backward turns an output back by -angle instead of keeping the
+    unrotated input and the complex factor of each. q, k (B, H, N, m); cos, sin (B', H, N, P), B' 1 or B."""
+
+    @staticmethod
+    def forward(ctx, q, k, cos, sin):
+        factor = torch.complex(cos, sin)
+        rotated = multiply_pairs(q, factor), multiply_pairs(k, factor)
+        ctx.save_for_backward(*rotated, cos, sin)
+        return rotated
+
+    @staticmethod
+    def backward(ctx, grad_q, grad_k):
+        *rotated, cos, sin = ctx.saved_tensors
+        num_pairs = cos.shape[-1]
+        inverse = torch.complex(cos, -sin)
+        grads, grad_factor = [], 0
+        for y, grad in zip(rotated, (grad_q, grad_k)):
+            if grad is None:
+                grads.append(None)
+                continue
+            grads.append(multiply_pairs(grad, inverse))  # the rotation is orthogonal: its transpose turns back
+            if ctx.needs_input_grad[2] or ctx.needs_input_grad[3]:  # d/d(cos + i sin) of Re(conj(grad) * x * factor)
+                grad_factor = grad_factor + as_pairs(grad, num_pairs) * (as_pairs(y, num_pairs) * inverse).conj()
+        grad_cos = grad_factor.real.sum_to_size(cos.shape) if ctx.needs_input_grad[2] else None
+        grad_sin = grad_factor.imag.sum_to_size(sin.shape) if ctx.needs_input_grad[3] else None
+        return *grads, grad_cos, grad_sin
+
+
+def rotate_queries_and_keys(q, k, cos, sin):
+    """(rotate_pairs(q, cos, sin), rotate_pairs(k, cos, sin)), with the lighter backward where it applies."""
+    if q.dtype in (torch.float32, torch.float64) and k.dtype == q.dtype:
+        return RotateQueriesAndKeys.apply(q, k, cos, sin)
+    return rotate_pairs(q, cos, sin), rotate_pairs(k, cos, sin)
 
 
 def rotary_frequencies(num_units: int, base: float, position_dims: int) -> torch.Tensor:
@@ -50,4 +99,4 @@ class RotaryPositionalEncoding(PositionalEncoding):
 
     def encode_features(self, q, k, positions):
         cos, sin = unit_cos_sin(positions, self.frequencies, self.axis, q.dtype)
-        return rotate_pairs(q, cos, sin), rotate_pairs(k, cos, sin)
+        return rotate_queries_and_keys(q, k, cos, sin)
