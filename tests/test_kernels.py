@@ -132,6 +132,8 @@ def test_division_by_the_last_column_has_the_plain_values_and_gradients(eps_kind
     expected = out[..., :-1] / (guard(denominator) if guard else denominator)
     torch.testing.assert_close(got, expected)
     assert got.transpose(1, 2).is_contiguous()  # heads merge with a view
+    with torch.no_grad():  # without autograd (decoding): the same division, no Function
+        torch.testing.assert_close(DivideByLastColumn.divide(out, eps, guard), expected)
     if guard:
         assert torch.all(got[0, 0, 0] == 0)
     inputs = [x for x in (out, eps) if isinstance(x, torch.Tensor)]

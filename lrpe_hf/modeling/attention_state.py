@@ -91,6 +91,12 @@ class LinearAttentionState(TensorState):
         """Advance the counters past this call's tokens: positions (B, N, A), mask (B, N) or None, documents
         (B, N)."""
         B, N = positions.shape[:2]
+        if mask is None:  # every token is real (the common case while decoding: a handful of ops per layer)
+            seen = self.num_tokens if self.num_tokens is not None else positions.new_zeros(B)
+            self.num_tokens = seen + N
+            self.last_position = positions[:, -1, 0]
+            self.document = documents[:, -1]
+            return
         index = torch.arange(N, device=positions.device).expand(B, N)
         if mask is not None:
             index = index.masked_fill(~mask, -1)

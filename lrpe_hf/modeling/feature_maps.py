@@ -62,13 +62,18 @@ class FeatureMap(Reinitialisable):
         return Features(self(q), fk)
 
 
-class ShiftedElu(torch.autograd.Function):
+def shifted_elu(x: torch.Tensor) -> torch.Tensor:
     """1 + elu(x), contiguous whatever the layout of x (heads-first, as the attention products want them: the one
-    layout copy happens here), saving only its output: the derivative is min(1 + elu(x), 1)."""
+    layout copy happens here)."""
+    return F.elu_(x.clone(memory_format=torch.contiguous_format)).add_(1.0)
+
+
+class ShiftedElu(torch.autograd.Function):
+    """``shifted_elu`` saving only its output: the derivative is min(1 + elu(x), 1)."""
 
     @staticmethod
     def forward(ctx, x):
-        out = F.elu_(x.clone(memory_format=torch.contiguous_format)).add_(1.0)
+        out = shifted_elu(x)
         ctx.save_for_backward(out)
         return out
 
@@ -82,7 +87,7 @@ class EluFeatureMap(FeatureMap):
     """phi(x) = 1 + elu(x) (Katharopoulos et al. 2020, eq. 7), the LRPE paper's baseline kernel."""
 
     def forward(self, x):
-        return ShiftedElu.apply(x)
+        return ShiftedElu.apply(x) if torch.is_grad_enabled() and x.requires_grad else shifted_elu(x)
 
 
 class ReluFeatureMap(FeatureMap):

@@ -34,19 +34,30 @@ def nonzero(denominator: torch.Tensor) -> torch.Tensor:
     return denominator.masked_fill(denominator.abs() < torch.finfo(denominator.dtype).tiny, float("inf"))
 
 
-class DivideByLastColumn(torch.autograd.Function):
+def divide_by_last_column(out: torch.Tensor, eps, guard=None) -> tuple[torch.Tensor, torch.Tensor]:
     """out[..., :-1] / guard(out[..., -1:] + eps), (B, H, N, d + 1) -> (B, H, N, d), written in the memory order
     (B, N, H, d) that the output projection reads: the heads are merged by a view, not by one more copy. ``eps``
     is a number or a tensor broadcastable to (B, H, N, 1); ``guard`` maps the denominator before its reciprocal
-    is taken (``nonzero``), or is None. Saves the result and the (B, H, N, 1) reciprocal only."""
+    is taken (``nonzero``), or is None. Returns the result and the reciprocal (B, H, N, 1)."""
+    numerator, denominator = out.split([out.shape[-1] - 1, 1], dim=-1)
+    denominator = denominator + eps
+    reciprocal = (guard(denominator) if guard else denominator).reciprocal()
+    B, H, N, d = numerator.shape
+    return torch.mul(numerator, reciprocal, out=numerator.new_empty(B, N, H, d).transpose(1, 2)), reciprocal
+
+
+class DivideByLastColumn(torch.autograd.Function):
+    """``divide_by_last_column`` for autograd, saving the result and the reciprocal only."""
+
+    @staticmethod
+    def divide(out, eps, guard=None):
+        """The division, through autograd only when a gradient is wanted."""
+        needs_grad = torch.is_grad_enabled() and (out.requires_grad or getattr(eps, "requires_grad", False))
+        return DivideByLastColumn.apply(out, eps, guard) if needs_grad else divide_by_last_column(out, eps, guard)[0]
 
     @staticmethod
     def forward(ctx, out, eps, guard=None):
-        numerator, denominator = out.split([out.shape[-1] - 1, 1], dim=-1)
-        denominator = denominator + eps
-        reciprocal = (guard(denominator) if guard else denominator).reciprocal()
-        B, H, N, d = numerator.shape
-        result = torch.mul(numerator, reciprocal, out=numerator.new_empty(B, N, H, d).transpose(1, 2))
+        result, reciprocal = divide_by_last_column(out, eps, guard)
         ctx.save_for_backward(result, reciprocal)
         ctx.eps_shape = eps.shape if isinstance(eps, torch.Tensor) else None
         return result
@@ -123,7 +134,7 @@ class KernelAttention(nn.Module):
             return self.layer_norm_over_heads(out, features.log_scale)
         if features.log_scale is None:
             if self.normalization == "denominator":
-                return DivideByLastColumn.apply(out, self.eps)
+                return DivideByLastColumn.divide(out, self.eps)
             if self.normalization == "unrotated_denominator":
                 return out / (self.unrotated_denominator(features.query, features.key, gates, state, starts) + self.eps)
             return self.output_norm(out.to(self.output_norm.weight.dtype)).to(out.dtype)  # fused kernel under autocast
@@ -131,7 +142,7 @@ class KernelAttention(nn.Module):
         # over ~80 or more in float32) has no precision left: its output is 0 instead of noise or NaN.
         eps = self.eps * torch.exp(-features.log_scale).to(out.dtype)
         if self.normalization == "denominator":
-            return DivideByLastColumn.apply(out, eps, nonzero)
+            return DivideByLastColumn.divide(out, eps, nonzero)
         if self.normalization == "unrotated_denominator":
             return out / nonzero(self.unrotated_denominator(features.query, features.key, gates, state, starts) + eps)
         # RMSNorm is scale-free: divide by the row's largest entry first, so that squaring cannot underflow.
