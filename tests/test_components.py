@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+from torch.nn import functional as F
 
 from lrpe_hf import LearnedPositionEmbedding, SinusoidalPositionEmbedding
 from lrpe_hf.modeling.feature_maps import PerformerFeatureMap
@@ -297,6 +298,54 @@ def test_causal_lm_loss_equals_transformers_for_causal_lm_loss(dtype, num_items)
         atol=1e-5,
         rtol=1e-5,
     )
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_causal_lm_loss_from_the_head_input_has_the_gradients_of_transformers_loss(autocast):
+    """Given the head's input and weight, backward recomputes the logits in blocks: the gradients of hidden and
+    weight equal those through Transformers' ForCausalLMLoss on F.linear(hidden, weight), in float32 and under
+    bfloat16 autocast (where both recompute the same bfloat16 logits)."""
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    from lrpe_hf.modeling import lm_loss
+
+    torch.manual_seed(0)
+    hidden = torch.randn(2, lm_loss.ROWS_PER_BLOCK // 2 + 5, 16, requires_grad=True)
+    weight = (0.5 * torch.randn(37, 16)).requires_grad_()
+    labels = torch.randint(0, 37, hidden.shape[:2])
+    labels[0, :10] = -100
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        logits = F.linear(hidden, weight)
+        ours = lm_loss.causal_lm_loss(logits, labels, 37, num_items_in_batch=11, hidden=hidden, weight=weight)
+        theirs = ForCausalLMLoss(logits, labels, 37, num_items_in_batch=11)
+    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+    got, want = (torch.autograd.grad(loss, (hidden, weight), retain_graph=True) for loss in (ours, theirs))
+    tolerance = dict(atol=1e-2, rtol=1e-2) if autocast else dict(atol=1e-6, rtol=1e-5)
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype == torch.float32
+        torch.testing.assert_close(g, w, **tolerance)
+
+
+def test_causal_lm_model_loss_and_gradients_equal_transformers_loss_on_its_logits():
+    """LinearGPTForCausalLM's own loss (recomputing its head in backward) against ForCausalLMLoss applied to the
+    logits it returns: the loss and every parameter's gradient."""
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    from lrpe_hf import LinearGPTConfig, LinearGPTForCausalLM
+
+    torch.manual_seed(0)
+    config = LinearGPTConfig(
+        num_hidden_layers=1, hidden_size=16, num_attention_heads=2, intermediate_size=32, vocab_size=20
+    )
+    model = LinearGPTForCausalLM(config)
+    ids = torch.randint(0, 20, (2, 6))
+    out = model(input_ids=ids, labels=ids)
+    theirs = ForCausalLMLoss(out.logits, ids, 20)
+    torch.testing.assert_close(out.loss, theirs)
+    params = [p for p in model.parameters() if p.requires_grad]
+    got, want = (torch.autograd.grad(loss, params, retain_graph=True) for loss in (out.loss, theirs))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-6, rtol=1e-5)
 
 
 def test_causal_lm_loss_of_no_counted_token_is_nan_like_cross_entropy():

@@ -142,14 +142,21 @@ class LinearGPTForCausalLM(LinearGPTPreTrainedModel, GenerationMixin):
             output_hidden_states=output_hidden_states,
         )
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-        logits = self.lm_head(outputs.last_hidden_state[:, keep])
+        hidden = outputs.last_hidden_state[:, keep]
+        logits = self.lm_head(hidden)
         loss = None
         if labels is not None:
             # Transformers' hook when the user set one (model.loss_function = fn, or another config.loss_type);
-            # otherwise the same loss as its ForCausalLMLoss, without full-size temporaries
+            # otherwise the same loss as its ForCausalLMLoss, without full-size temporaries: from a plain linear
+            # head, backward recomputes the logits in blocks, so a caller who drops them frees them before backward
             custom = hasattr(self, "_loss_function") or getattr(self, "loss_type", None) != "ForCausalLM"
-            loss_function = self.loss_function if custom else causal_lm_loss
-            loss = loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+            if custom:
+                loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+            else:
+                head = self.lm_head
+                plain_head = type(head) is nn.Linear and head.bias is None
+                head_input = dict(hidden=hidden, weight=head.weight) if plain_head else {}
+                loss = causal_lm_loss(logits, labels, self.config.vocab_size, **head_input, **kwargs)
         return CausalLMOutputWithPast(
             loss=loss, logits=logits, past_key_values=outputs.past_key_values, hidden_states=outputs.hidden_states
         )
