@@ -238,9 +238,13 @@ def plot(rows, out):
         train = [r for r in rows if r["task"] == "train" and r["model"] == name and "seconds" in r]
         gen = [r for r in rows if r["task"] == "generate" and r["model"] == name and "ms_per_token" in r]
         style = "--" if name.startswith("gpt2") else "-"
-        axes[0].plot([r["tokens"] for r in train], [r["seconds"] for r in train], style, marker="o", label=name)
-        axes[1].plot([r["tokens"] for r in train], [r["peak_mb"] for r in train], style, marker="o", label=name)
-        axes[2].plot([r["tokens"] for r in gen], [r["ms_per_token"] for r in gen], style, marker="o", label=name)
+        for ax, points, key in (
+            (axes[0], train, "seconds"),
+            (axes[1], train, "peak_mb"),
+            (axes[2], gen, "ms_per_token"),
+        ):
+            if points:  # an empty series would still count as data on a log axis
+                ax.plot([r["tokens"] for r in points], [r[key] for r in points], style, marker="o", label=name)
     titles = ["train step (s)", "peak memory of a train step (MB)", "generation latency (ms per new token)"]
     for ax, title, xlabel in zip(axes, titles, ["tokens", "tokens", "context tokens"]):
         if not ax.has_data():
