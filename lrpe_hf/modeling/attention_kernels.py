@@ -156,10 +156,10 @@ def causal_linear_attention(q, k, v, log_gates=None, initial_state=None, chunk_s
         if resets is not None:
             resets = F.pad(resets, (0, pad))
     num_chunks = (N + pad) // C
+    device = q.device.type
+    autocast = torch.is_autocast_enabled(device)
+    dtype = torch.get_autocast_dtype(device) if autocast else torch.promote_types(q.dtype, v.dtype)
     if log_gates is None:
-        device = q.device.type
-        autocast = torch.is_autocast_enabled(device)
-        dtype = torch.get_autocast_dtype(device) if autocast else torch.promote_types(q.dtype, v.dtype)
         chunks = [x.to(dtype).contiguous().view(B * H, num_chunks, C, x.shape[-1]) for x in (q, k, v)]  # one copy
         initial = initial_state.reshape(B * H, m, dv) if initial_state is not None else None
         with torch.autocast(device, enabled=False):  # the function computes in one dtype, forward and backward
@@ -169,7 +169,6 @@ def causal_linear_attention(q, k, v, log_gates=None, initial_state=None, chunk_s
     k = k.view(B, H, num_chunks, C, m)
     v = v.view(B, H, num_chunks, C, dv)
     causal_mask = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
-    scores = q @ k.transpose(-1, -2)  # (B, H, nc, C, C)
 
     # Gated: G relative to each chunk's start. Documents: a segment index inside each chunk (0 until its first
     # reset); a query sees keys of its own segment, and the state from before the chunk only in segment 0.
@@ -183,8 +182,8 @@ def causal_linear_attention(q, k, v, log_gates=None, initial_state=None, chunk_s
         from_before = segment == 0  # (B, 1, nc, C)
         to_after = segment == segment[..., -1:]
     G = G.view(B, H, num_chunks, C).cumsum(-1)
-    decay = (G[..., :, None] - G[..., None, :]).masked_fill(~visible, float("-inf")).exp()
-    intra = (scores * decay.to(scores.dtype)) @ v
+    with torch.autocast(device, enabled=False):  # the function computes in one dtype, forward and backward
+        intra = GatedIntraChunkProduct.apply(q.to(dtype), k.to(dtype), v.to(dtype), G, visible)
     to_chunk_end = G[..., -1:] - G
     query_decay = G
     chunk_decay = G[..., -1]
@@ -197,6 +196,41 @@ def causal_linear_attention(q, k, v, log_gates=None, initial_state=None, chunk_s
     previous, state = states_before_chunks(chunk_decay, chunk_kv, state)
     out = intra + (q * query_decay.exp().to(q.dtype)[..., None]) @ previous
     return out.reshape(B, H, num_chunks * C, dv)[:, :, :N], state
+
+
+class GatedIntraChunkProduct(torch.autograd.Function):
+    """Inside each chunk: out_i = sum_j exp(G_i - G_j) (q_i . k_j) v_j over the visible pairs (i, j). Saves only its
+    inputs: backward recomputes the C x C scores and decays. The gradient of G follows from the exponent
+    G_i - G_j: row sums minus column sums of dL/d(exponent).
+
+    q, k (B, H, nc, C, m); v (B, H, nc, C, dv); G (B, H, nc, C), the log gates summed from the chunk's start;
+    visible (C, C) or (B, 1, nc, C, C) bool. Returns (B, H, nc, C, dv).
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, G, visible):
+        scores, decay = GatedIntraChunkProduct.scores_and_decay(q, k, G, visible)
+        ctx.save_for_backward(q, k, v, G, visible)
+        return (scores * decay.to(scores.dtype)) @ v
+
+    @staticmethod
+    def scores_and_decay(q, k, G, visible):
+        decay = (G[..., :, None] - G[..., None, :]).masked_fill(~visible, float("-inf")).exp_()
+        return q @ k.transpose(-1, -2), decay
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, G, visible = ctx.saved_tensors
+        scores, decay = GatedIntraChunkProduct.scores_and_decay(q, k, G, visible)
+        grad_weights = grad_out @ v.transpose(-1, -2)  # dL/d(scores * decay)
+        grad_v = (scores * decay.to(scores.dtype)).transpose(-1, -2) @ grad_out
+        grad_scores = grad_weights * decay.to(grad_weights.dtype)
+        grad_q, grad_k = grad_scores @ k, grad_scores.transpose(-1, -2) @ q
+        grad_G = None
+        if ctx.needs_input_grad[3]:
+            grad_exponent = (grad_scores * scores).to(G.dtype)  # d exp(x) / dx = exp(x): decay folded in above
+            grad_G = grad_exponent.sum(-1) - grad_exponent.sum(-2)
+        return grad_q, grad_k, grad_v, grad_G, None
 
 
 def states_before_chunks(log_decay, chunk_kv, initial, group_size: int = 16):
