@@ -379,3 +379,25 @@ def test_a_user_loss_function_replaces_the_default_causal_lm_loss():
     ids = torch.randint(0, 20, (2, 6))
     model.loss_function = lambda logits, labels, vocab_size, **kwargs: logits.sum() * 0 + 42.0
     assert float(model(input_ids=ids, labels=ids).loss.detach()) == 42.0
+
+
+# ---------------------------------------------------------------- dropout
+def test_dropout_drops_at_rate_p_scales_the_rest_and_keeps_a_one_byte_mask():
+    """Inverted dropout (kept values / (1 - p), gradient the same mask), identity in eval mode, and a bool mask
+    (not a float one) saved for backward."""
+    from lrpe_hf.modeling.transformer_layer import Dropout
+
+    torch.manual_seed(0)
+    x = torch.randn(256, 512, requires_grad=True)
+    dropout = Dropout(0.25).train()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = dropout(x)
+    kept = y != 0
+    assert abs(kept.float().mean().item() - 0.75) < 0.01
+    torch.testing.assert_close(y[kept], x[kept] / 0.75)
+    (grad,) = torch.autograd.grad(y, x, torch.ones_like(y))
+    torch.testing.assert_close(grad, kept.float() / 0.75)
+    assert [t.dtype for t in saved] == [torch.bool]
+    assert dropout.eval()(x) is x
+    assert torch.all(Dropout(1.0).train()(x) == 0)

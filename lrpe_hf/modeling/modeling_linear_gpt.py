@@ -19,6 +19,7 @@ from .configuration_linear_gpt import LinearGPTConfig
 from .lm_loss import causal_lm_loss
 from .positional_absolute import build_absolute_position_embedding
 from .positions import default_position_ids, mask_as_bool
+from .transformer_layer import Dropout
 from .transformer_stack import LinearPreTrainedModel, LinearTransformerStack, check_single_segment
 
 
@@ -43,7 +44,7 @@ class LinearGPTModel(LinearGPTPreTrainedModel):
             config.max_position_embeddings,
             token_std=config.initializer_range * config.embedding_multiplier,
         )
-        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+        self.dropout = Dropout(config.hidden_dropout_prob)
         self.stack = LinearTransformerStack(config, pre_norm=True)
         self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.post_init()

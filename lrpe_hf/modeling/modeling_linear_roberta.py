@@ -20,6 +20,7 @@ from transformers.utils import can_return_tuple
 from .configuration_linear_roberta import LinearRobertaConfig
 from .positional_absolute import build_absolute_position_embedding
 from .positions import default_position_ids, mask_as_bool
+from .transformer_layer import Dropout
 from .transformer_stack import LinearPreTrainedModel, LinearTransformerStack, check_single_segment
 
 
@@ -40,7 +41,7 @@ class LinearRobertaModel(LinearRobertaPreTrainedModel):
             token_std=config.initializer_range * config.embedding_multiplier,
         )
         self.embedding_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+        self.dropout = Dropout(config.hidden_dropout_prob)
         self.stack = LinearTransformerStack(config, pre_norm=False)
         self.post_init()
 

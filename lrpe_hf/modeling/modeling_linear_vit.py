@@ -12,6 +12,7 @@ from transformers.utils import can_return_tuple
 
 from .configuration_linear_vit import LinearViTConfig
 from .positional_absolute import LearnedPositionEmbedding, SinusoidalPositionEmbedding
+from .transformer_layer import Dropout
 from .transformer_stack import LinearPreTrainedModel, LinearTransformerStack
 
 
@@ -56,7 +57,7 @@ class LinearViTEmbeddings(nn.Module):
             )
         elif config.absolute_position_embedding == "learned":
             self.position_embedding = LearnedPositionEmbedding(config.hidden_size, 1 + config.grid_size**2)
-        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+        self.dropout = Dropout(config.hidden_dropout_prob)
 
     def forward(self, pixel_values):
         """pixel_values (B, C, H, W) -> embeddings (B, 1 + P, hidden), positions (B, 1 + P, 2)."""

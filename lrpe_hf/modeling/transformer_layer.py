@@ -40,6 +40,16 @@ class ActivationThenLinear(torch.autograd.Function):
         return grad_h, grad_weight, grad_bias, None
 
 
+class Dropout(nn.Dropout):
+    """``nn.Dropout`` that keeps a one-byte mask for backward (``torch.native_dropout``): on a CPU, ``F.dropout``
+    keeps a float mask of the input's size, as large as the activation itself."""
+
+    def forward(self, x):
+        if self.training and 0 < self.p < 1:
+            return torch.native_dropout(x, self.p, True)[0]
+        return super().forward(x)
+
+
 class MLP(nn.Module):
     """fc1 -> activation -> fc2: (B, N, hidden) -> (B, N, hidden)."""
 
@@ -65,7 +75,7 @@ class LinearTransformerLayer(GradientCheckpointingLayer):
         self.self_attn_layer_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.mlp = MLP(config.hidden_size, config.intermediate_size, config.hidden_act)
         self.final_layer_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+        self.dropout = Dropout(config.hidden_dropout_prob)
 
     def forward(
         self,
