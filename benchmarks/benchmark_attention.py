@@ -200,14 +200,23 @@ def summary(rows):
             lines.append(line)
     for mode in ("causal", "bidirectional"):
         base = lookup(rows, "layer", "none", mode, 4096, "train_ms")
+        base_floor = lookup(rows, "layer", "none", mode, 4096, "floor_train_ms")
         if not base:
             continue
         for name in sorted({r["name"] for r in rows if r["part"] == "layer"}):
             t = lookup(rows, "layer", name, mode, 4096, "train_ms")
+            floor = lookup(rows, "layer", name, mode, 4096, "floor_train_ms")
             if t:
+                # also over the projections timed alternately beside each layer, which cancels the load the
+                # machine had while that configuration ran
+                steady = (
+                    f", {100 * (t / floor / (base / base_floor) - 1):+.0f}% each over its floor"
+                    if floor and base_floor
+                    else ""
+                )
                 lines.append(
                     f"- {mode} forward+backward at 4096, {name}: {t:.0f} ms, "
-                    f"overhead over none {100 * (t / base - 1):+.0f}%"
+                    f"overhead over none {100 * (t / base - 1):+.0f}%{steady}"
                 )
     for name in sorted({r["name"] for r in rows if r["part"] == "layer"}):
         small, large = (lookup(rows, "layer", name, "causal", n, "peak_mb") for n in (8192, 32768))
