@@ -270,6 +270,25 @@ def test_rotation_of_queries_and_keys_has_the_gradients_of_the_written_out_rotat
         torch.testing.assert_close(g, w)
 
 
+def test_unitary_lift_has_the_gradients_of_the_written_out_lift():
+    """LRPE Type 1's [x cos, x sin] with the lighter backward (x read back from the outputs) against autograd
+    through the written-out expression, angles broadcast over the batch and learnable."""
+    from lrpe_hf.modeling.positional_lrpe import UnitaryLift
+
+    torch.manual_seed(0)
+    q, k = (torch.randn(2, 3, 5, 4, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    angles = (10 * torch.randn(1, 3, 5, 4, dtype=torch.float64)).requires_grad_()
+    ours = UnitaryLift.apply(q, k, angles.cos(), angles.sin())
+    expected = [torch.cat([x * angles.cos(), x * angles.sin()], dim=-1) for x in (q, k)]
+    grads = [torch.randn_like(x) for x in expected]
+    for got, want in zip(ours, expected):
+        torch.testing.assert_close(got, want)
+    for g, w in zip(
+        torch.autograd.grad(ours, (q, k, angles), grads), torch.autograd.grad(expected, (q, k, angles), grads)
+    ):
+        torch.testing.assert_close(g, w)
+
+
 # ---------------------------------------------------------------- language-modelling loss
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_items", [None, 7])

@@ -103,8 +103,39 @@ class LRPEUnitary(PositionalEncoding):
 
     def encode_features(self, q, k, positions):
         cos, sin = unit_cos_sin(positions, self.angles, self.axis, q.dtype)
-        q, k = self.p(q), self.p(k)
-        return torch.cat([q * cos, q * sin], dim=-1), torch.cat([k * cos, k * sin], dim=-1)
+        return UnitaryLift.apply(self.p(q), self.p(k), cos, sin)
+
+
+class UnitaryLift(torch.autograd.Function):
+    """[x cos, x sin] for x = q and k, (B, H, N, m) -> (B, H, N, 2m), with cos, sin (B', H, N, m), B' 1 or B.
+    Saves the outputs (the attention keeps them anyway) and cos, sin: backward reads x back as
+    y_cos cos + y_sin sin (cos^2 + sin^2 = 1) instead of keeping it."""
+
+    @staticmethod
+    def forward(ctx, q, k, cos, sin):
+        lifted = torch.cat([q * cos, q * sin], dim=-1), torch.cat([k * cos, k * sin], dim=-1)
+        ctx.save_for_backward(*lifted, cos, sin)
+        return lifted
+
+    @staticmethod
+    def backward(ctx, grad_q, grad_k):
+        *lifted, cos, sin = ctx.saved_tensors
+        m = cos.shape[-1]
+        grads, grad_cos, grad_sin = [], 0, 0
+        for y, grad in zip(lifted, (grad_q, grad_k)):
+            if grad is None:
+                grads.append(None)
+                continue
+            grad_along_cos, grad_along_sin = grad.split(m, dim=-1)
+            grads.append(grad_along_cos * cos + grad_along_sin * sin)
+            if ctx.needs_input_grad[2] or ctx.needs_input_grad[3]:
+                along_cos, along_sin = y.split(m, dim=-1)
+                x = along_cos * cos + along_sin * sin
+                grad_cos = grad_cos + grad_along_cos * x
+                grad_sin = grad_sin + grad_along_sin * x
+        grad_cos = grad_cos.sum_to_size(cos.shape) if ctx.needs_input_grad[2] else None
+        grad_sin = grad_sin.sum_to_size(sin.shape) if ctx.needs_input_grad[3] else None
+        return *grads, grad_cos, grad_sin
 
 
 class LRPEOrthogonal(PositionalEncoding):
