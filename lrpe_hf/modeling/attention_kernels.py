@@ -165,6 +165,8 @@ def causal_linear_attention(q, k, v, log_gates=None, initial_state=None, chunk_s
         with torch.autocast(device, enabled=False):  # the function computes in one dtype, forward and backward
             out, final = ChunkedCausalProduct.apply(*chunks, initial)
         return out.view(B, H, num_chunks * C, dv)[:, :, :N], final.view(B, H, m, dv)
+    # one layout copy each (heads-first, contiguous), where every batched product below would make its own
+    q, k, v = (x.to(dtype).contiguous() for x in (q, k, v))
     q = q.view(B, H, num_chunks, C, m)
     k = k.view(B, H, num_chunks, C, m)
     v = v.view(B, H, num_chunks, C, dv)
@@ -183,7 +185,7 @@ def causal_linear_attention(q, k, v, log_gates=None, initial_state=None, chunk_s
         to_after = segment == segment[..., -1:]
     G = G.view(B, H, num_chunks, C).cumsum(-1)
     with torch.autocast(device, enabled=False):  # the function computes in one dtype, forward and backward
-        intra = GatedIntraChunkProduct.apply(q.to(dtype), k.to(dtype), v.to(dtype), G, visible)
+        intra = GatedIntraChunkProduct.apply(q, k, v, G, visible)
     to_chunk_end = G[..., -1:] - G
     query_decay = G
     chunk_decay = G[..., -1]
