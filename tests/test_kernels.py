@@ -140,3 +140,11 @@ def test_division_by_the_last_column_has_the_plain_values_and_gradients(eps_kind
     grad = torch.randn_like(got)
     for g, w in zip(torch.autograd.grad(got, inputs, grad), torch.autograd.grad(expected, inputs, grad)):
         torch.testing.assert_close(g, w)
+
+
+@pytest.mark.parametrize("length", [1, 2, 15, 16, 17, 33, 64, 100])
+def test_running_sum_in_blocks_equals_cumsum(length):
+    from lrpe_hf.modeling.attention_kernels import running_sum_
+
+    x = torch.randn(3, length, 4, 5, dtype=torch.float64)
+    torch.testing.assert_close(running_sum_(x.clone()), x.cumsum(1))

@@ -47,6 +47,29 @@ def add_state_products(target, left, states, initial, num_chunks):
         target.index_add_(0, firsts, torch.bmm(left.index_select(0, firsts), initial))
 
 
+def running_sum_(x: torch.Tensor, block: int = 16) -> torch.Tensor:
+    """x[:, i] <- x[:, 0] + ... + x[:, i] in place, for x (G, n, ...): the sums within blocks of ``block`` rows,
+    then the blocks' totals carried forward, about n / block + block in-place additions in all. (``cumsum_``
+    along dim 1 ran up to 6x slower on 2 CPU cores when the trailing size is a power of two, as m x dv = 4096.)"""
+    n = x.shape[1]
+    full = n - n % block
+    blocks = x[:, :full].unflatten(1, (full // block, block))  # (G, nb, block, ...)
+    for row in range(1, block if full else 0):
+        blocks[:, :, row] += blocks[:, :, row - 1]
+    totals = blocks[:, :, -1]  # each block's last row: after this loop, the running sum up to it
+    for index in range(1, totals.shape[1]):
+        totals[:, index] += totals[:, index - 1]
+    if full > block:
+        blocks[:, 1:, :-1] += totals[:, :-1, None]
+    rest = x[:, full:]
+    if rest.shape[1]:
+        if full:
+            rest[:, 0] += totals[:, -1]
+        for row in range(1, rest.shape[1]):
+            rest[:, row] += rest[:, row - 1]
+    return x
+
+
 class ChunkedCausalProduct(torch.autograd.Function):
     """The ungated causal product in chunks: out_s = q_s S_0 + sum_{t<=s} (q_s . k_t) v_t and the final state
     S_0 + sum_t k_t v_t^T. Blocks of heads at a time (``heads_per_block``), so the C x C scores and the per-chunk
@@ -83,7 +106,7 @@ class ChunkedCausalProduct(torch.autograd.Function):
         if start is not None:
             states[::num_chunks] += start
         blocked = states.view(-1, num_chunks, *states.shape[1:])
-        blocked.cumsum_(1)
+        running_sum_(blocked)
         return states
 
     @staticmethod
@@ -102,7 +125,7 @@ class ChunkedCausalProduct(torch.autograd.Function):
             states = ChunkedCausalProduct.running_states(kf, vf, start, nc)
             # kv_c reaches every later chunk's queries and the final state: its gradient is the sum of
             # q_c'^T go_c' over c' > c, plus grad_final; written as the total minus the prefix sum up to c
-            later = torch.bmm(qf.transpose(1, 2), go).view(-1, nc, m, dv).cumsum_(1)
+            later = running_sum_(torch.bmm(qf.transpose(1, 2), go).view(-1, nc, m, dv))
             total = later[:, -1].clone()
             if grad_final is not None:
                 total += grad_final[heads]
