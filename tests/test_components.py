@@ -258,7 +258,7 @@ def test_rotation_of_queries_and_keys_has_the_gradients_of_the_written_out_rotat
         rotated = torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1).flatten(-2)
         return torch.cat([rotated, rest], dim=-1)
 
-    ours = rotate_queries_and_keys(q, k, angles.cos(), angles.sin())
+    ours = rotate_queries_and_keys(q, k, angles)
     expected = written_out(q, angles.cos(), angles.sin()), written_out(k, angles.cos(), angles.sin())
     grads = [torch.randn_like(x) for x in expected]
     for got, want in zip(ours, expected):
@@ -278,7 +278,7 @@ def test_unitary_lift_has_the_gradients_of_the_written_out_lift():
     torch.manual_seed(0)
     q, k = (torch.randn(2, 3, 5, 4, dtype=torch.float64, requires_grad=True) for _ in range(2))
     angles = (10 * torch.randn(1, 3, 5, 4, dtype=torch.float64)).requires_grad_()
-    ours = UnitaryLift.apply(q, k, angles.cos(), angles.sin())
+    ours = UnitaryLift.apply(q, k, angles)
     expected = [torch.cat([x * angles.cos(), x * angles.sin()], dim=-1) for x in (q, k)]
     grads = [torch.randn_like(x) for x in expected]
     for got, want in zip(ours, expected):

@@ -75,13 +75,12 @@ def distinct_rows(positions: torch.Tensor) -> torch.Tensor:
     return positions[:1] if bool((positions == positions[:1]).all()) else positions
 
 
-def unit_cos_sin(positions: torch.Tensor, frequencies: torch.Tensor, axis: torch.Tensor, dtype):
-    """cos and sin of position * frequency for every (head, unit): (B', H, N, U) each, B' from distinct_rows.
+def unit_angles(positions: torch.Tensor, frequencies: torch.Tensor, axis: torch.Tensor, dtype) -> torch.Tensor:
+    """position * frequency for every (head, unit), reduced modulo 2 pi: (B', H, N, U), B' from distinct_rows.
 
-    positions (B, N, A) int, frequencies (H, U), axis (U,). The angle is formed and reduced modulo 2 pi in
-    float64, so that large positions stay exact; cos and sin then run in ``dtype`` (at least float32).
+    positions (B, N, A) int, frequencies (H, U), axis (U,). The angle is formed and reduced in float64, so that
+    large positions stay exact, and returned in ``dtype`` (at least float32).
     """
     coordinates = distinct_rows(positions).to(torch.float64)[..., axis]  # (B', N, U)
     angles = torch.remainder(coordinates[:, None] * frequencies.to(torch.float64)[None, :, None, :], 2 * math.pi)
-    angles = angles.to(torch.promote_types(dtype, torch.float32))
-    return angles.cos().to(dtype), angles.sin().to(dtype)
+    return angles.to(torch.promote_types(dtype, torch.float32))

@@ -20,7 +20,7 @@ import math
 import torch
 from torch import nn
 
-from .positional_encoding import PositionalEncoding, axis_of_each, unit_cos_sin
+from .positional_encoding import PositionalEncoding, axis_of_each, unit_angles
 from .positional_permute import PermutePositionalEncoding
 from .positional_rope import RotaryPositionalEncoding, rotary_frequencies
 from .reinitialisable import Reinitialisable
@@ -102,40 +102,39 @@ class LRPEUnitary(PositionalEncoding):
         return cls(num_heads, feature_dim, p, o.position_dims, o.lrpe_learnable_angles, o.rope_base)
 
     def encode_features(self, q, k, positions):
-        cos, sin = unit_cos_sin(positions, self.angles, self.axis, q.dtype)
-        return UnitaryLift.apply(self.p(q), self.p(k), cos, sin)
+        angles = unit_angles(positions, self.angles, self.axis, q.dtype)
+        return UnitaryLift.apply(self.p(q), self.p(k), angles)
 
 
 class UnitaryLift(torch.autograd.Function):
-    """[x cos, x sin] for x = q and k, (B, H, N, m) -> (B, H, N, 2m), with cos, sin (B', H, N, m), B' 1 or B.
-    Saves the outputs (the attention keeps them anyway) and cos, sin: backward reads x back as
-    y_cos cos + y_sin sin (cos^2 + sin^2 = 1) instead of keeping it."""
+    """[x cos, x sin] for x = q and k, (B, H, N, m) -> (B, H, N, 2m), with ``angles`` (B', H, N, m), B' 1 or B.
+    Saves the outputs (the attention keeps them anyway) and the angles: backward needs x only through the
+    outputs, the angles' gradient being sum grad_sin * y_cos - grad_cos * y_sin."""
 
     @staticmethod
-    def forward(ctx, q, k, cos, sin):
+    def forward(ctx, q, k, angles):
+        cos, sin = angles.cos().to(q.dtype), angles.sin().to(q.dtype)
         lifted = torch.cat([q * cos, q * sin], dim=-1), torch.cat([k * cos, k * sin], dim=-1)
-        ctx.save_for_backward(*lifted, cos, sin)
+        ctx.save_for_backward(*lifted, angles)
         return lifted
 
     @staticmethod
     def backward(ctx, grad_q, grad_k):
-        *lifted, cos, sin = ctx.saved_tensors
-        m = cos.shape[-1]
-        grads, grad_cos, grad_sin = [], 0, 0
+        *lifted, angles = ctx.saved_tensors
+        m = angles.shape[-1]
+        cos, sin = angles.cos().to(lifted[0].dtype), angles.sin().to(lifted[0].dtype)
+        grads, grad_angles = [], 0
         for y, grad in zip(lifted, (grad_q, grad_k)):
             if grad is None:
                 grads.append(None)
                 continue
             grad_along_cos, grad_along_sin = grad.split(m, dim=-1)
             grads.append(grad_along_cos * cos + grad_along_sin * sin)
-            if ctx.needs_input_grad[2] or ctx.needs_input_grad[3]:
+            if ctx.needs_input_grad[2]:  # y_cos = x cos, y_sin = x sin: d/d angle = (-y_sin, y_cos)
                 along_cos, along_sin = y.split(m, dim=-1)
-                x = along_cos * cos + along_sin * sin
-                grad_cos = grad_cos + grad_along_cos * x
-                grad_sin = grad_sin + grad_along_sin * x
-        grad_cos = grad_cos.sum_to_size(cos.shape) if ctx.needs_input_grad[2] else None
-        grad_sin = grad_sin.sum_to_size(sin.shape) if ctx.needs_input_grad[3] else None
-        return *grads, grad_cos, grad_sin
+                grad_angles = grad_angles + grad_along_sin * along_cos - grad_along_cos * along_sin
+        grad_angles = grad_angles.sum_to_size(angles.shape).to(angles.dtype) if ctx.needs_input_grad[2] else None
+        return *grads, grad_angles
 
 
 class LRPEOrthogonal(PositionalEncoding):

@@ -6,7 +6,7 @@ half of the pairs follows the row and the second half the column, each half with
 
 import torch
 
-from .positional_encoding import PositionalEncoding, axis_of_each, unit_cos_sin, units_per_axis
+from .positional_encoding import PositionalEncoding, axis_of_each, unit_angles, units_per_axis
 
 
 def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -36,39 +36,42 @@ def as_pairs(x: torch.Tensor, num_pairs: int) -> torch.Tensor:
 
 
 class RotateQueriesAndKeys(torch.autograd.Function):
-    """``rotate_pairs`` of q and k (float32 or float64) by the same angles, saving only the rotated outputs (the
-    attention saves them too) and cos, sin: backward turns an output back by -angle instead of keeping the
-    unrotated input and the complex factor of each. q, k (B, H, N, m); cos, sin (B', H, N, P), B' 1 or B."""
+    """``rotate_pairs`` of q and k (float32 or float64) by the same ``angles``, saving only the rotated outputs
+    (the attention saves them too) and the angles: backward turns the gradient back by -angle, and the angles'
+    gradient is Im(conj(y) grad) for each rotated pair y. q, k (B, H, N, m); angles (B', H, N, P), B' 1 or B."""
 
     @staticmethod
-    def forward(ctx, q, k, cos, sin):
-        factor = torch.complex(cos, sin)
+    def forward(ctx, q, k, angles):
+        factor = torch.polar(torch.ones_like(angles), angles).to(torch.promote_types(q.dtype, torch.complex64))
         rotated = multiply_pairs(q, factor), multiply_pairs(k, factor)
-        ctx.save_for_backward(*rotated, cos, sin)
+        ctx.save_for_backward(*rotated, angles)
         return rotated
 
     @staticmethod
     def backward(ctx, grad_q, grad_k):
-        *rotated, cos, sin = ctx.saved_tensors
-        num_pairs = cos.shape[-1]
-        inverse = torch.complex(cos, -sin)
-        grads, grad_factor = [], 0
+        *rotated, angles = ctx.saved_tensors
+        num_pairs = angles.shape[-1]
+        inverse = torch.polar(torch.ones_like(angles), -angles).to(
+            torch.promote_types(rotated[0].dtype, torch.complex64)
+        )
+        grads, grad_angles = [], 0
         for y, grad in zip(rotated, (grad_q, grad_k)):
             if grad is None:
                 grads.append(None)
                 continue
             grads.append(multiply_pairs(grad, inverse))  # the rotation is orthogonal: its transpose turns back
-            if ctx.needs_input_grad[2] or ctx.needs_input_grad[3]:  # d/d(cos + i sin) of Re(conj(grad) * x * factor)
-                grad_factor = grad_factor + as_pairs(grad, num_pairs) * (as_pairs(y, num_pairs) * inverse).conj()
-        grad_cos = grad_factor.real.sum_to_size(cos.shape) if ctx.needs_input_grad[2] else None
-        grad_sin = grad_factor.imag.sum_to_size(sin.shape) if ctx.needs_input_grad[3] else None
-        return *grads, grad_cos, grad_sin
+            if ctx.needs_input_grad[2]:  # d y / d angle = i y
+                grad_angles = grad_angles + (as_pairs(y, num_pairs).conj() * as_pairs(grad, num_pairs)).imag
+        grad_angles = grad_angles.sum_to_size(angles.shape).to(angles.dtype) if ctx.needs_input_grad[2] else None
+        return *grads, grad_angles
 
 
-def rotate_queries_and_keys(q, k, cos, sin):
-    """(rotate_pairs(q, cos, sin), rotate_pairs(k, cos, sin)), with the lighter backward where it applies."""
+def rotate_queries_and_keys(q, k, angles):
+    """(rotate_pairs(q, cos, sin), rotate_pairs(k, cos, sin)) for the ``angles`` (B', H, N, P), with the lighter
+    backward where complex kernels apply (float32, float64)."""
     if q.dtype in (torch.float32, torch.float64) and k.dtype == q.dtype:
-        return RotateQueriesAndKeys.apply(q, k, cos, sin)
+        return RotateQueriesAndKeys.apply(q, k, angles)
+    cos, sin = angles.cos().to(q.dtype), angles.sin().to(q.dtype)
     return rotate_pairs(q, cos, sin), rotate_pairs(k, cos, sin)
 
 
@@ -98,5 +101,4 @@ class RotaryPositionalEncoding(PositionalEncoding):
         return cls(num_heads, feature_dim, options.rope_base, options.position_dims)
 
     def encode_features(self, q, k, positions):
-        cos, sin = unit_cos_sin(positions, self.frequencies, self.axis, q.dtype)
-        return rotate_queries_and_keys(q, k, cos, sin)
+        return rotate_queries_and_keys(q, k, unit_angles(positions, self.frequencies, self.axis, q.dtype))
