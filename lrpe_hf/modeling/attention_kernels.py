@@ -216,11 +216,10 @@ def causal_linear_attention(q, k, v, log_gates=None, initial_state=None, chunk_s
         to_chunk_end = to_chunk_end.masked_fill(~to_after, float("-inf"))
         query_decay = query_decay.masked_fill(~from_before, float("-inf"))
         chunk_decay = chunk_decay.masked_fill(~from_before[..., -1], float("-inf"))
-    chunk_kv = (k * to_chunk_end.exp().to(k.dtype)[..., None]).transpose(-1, -2) @ v  # (B, H, nc, m, dv)
     state = initial_state.to(v.dtype) if initial_state is not None else v.new_zeros(B, H, m, dv)
-    previous, state = states_before_chunks(chunk_decay, chunk_kv, state)
-    out = intra + (q * query_decay.exp().to(q.dtype)[..., None]) @ previous
-    return out.reshape(B, H, num_chunks * C, dv)[:, :, :N], state
+    with torch.autocast(device, enabled=False):
+        inter, state = GatedChunkStates.apply(q, k, v, to_chunk_end, query_decay, chunk_decay, state)
+    return (intra + inter).reshape(B, H, num_chunks * C, dv)[:, :, :N], state
 
 
 class GatedIntraChunkProduct(torch.autograd.Function):
@@ -256,6 +255,48 @@ class GatedIntraChunkProduct(torch.autograd.Function):
             grad_exponent = (grad_scores * scores).to(G.dtype)  # d exp(x) / dx = exp(x): decay folded in above
             grad_G = grad_exponent.sum(-1) - grad_exponent.sum(-2)
         return grad_q, grad_k, grad_v, grad_G, None
+
+
+class GatedChunkStates(torch.autograd.Function):
+    """What reaches each chunk from before it: out_{c,i} = exp(b_{c,i}) q_{c,i} S_c, where
+    S_{c+1} = exp(L_c) S_c + sum_j exp(a_{c,j}) k_{c,j} v_{c,j}^T and S_0 = initial. Saves only its inputs:
+    backward recomputes the states, and runs the same recurrence backwards for their gradients
+    (g_c = q-side terms of chunk c + exp(L_c) g_{c+1}, from the final state's gradient).
+
+    q, k (B, H, nc, C, m); v (B, H, nc, C, dv); a, b (B, H, nc, C) and L (B, H, nc) log decays (-inf: nothing
+    passes); initial (B, H, m, dv). Returns out (B, H, nc, C, dv) and the final state (B, H, m, dv).
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, a, b, L, initial):
+        previous, final = GatedChunkStates.states(k, v, a, L, initial)
+        ctx.save_for_backward(q, k, v, a, b, L, initial)
+        return (q * b.exp().to(q.dtype)[..., None]) @ previous, final
+
+    @staticmethod
+    def states(k, v, a, L, initial):
+        """The state before each chunk (B, H, nc, m, dv) and the final state."""
+        chunk_kv = (k * a.exp().to(k.dtype)[..., None]).transpose(-1, -2) @ v
+        return states_before_chunks(L, chunk_kv, initial)
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_final):
+        q, k, v, a, b, L, initial = ctx.saved_tensors
+        previous, _ = GatedChunkStates.states(k, v, a, L, initial)
+        query_weight = b.exp().to(q.dtype)[..., None]
+        grad_q = (grad_out @ previous.transpose(-1, -2)) * query_weight
+        grad_b = (grad_q * q).sum(-1).to(b.dtype)
+        # g_c, the gradient of S_c: the same recurrence run from the last chunk back to the first
+        from_queries = (q * query_weight).transpose(-1, -2) @ grad_out  # (B, H, nc, m, dv)
+        final_grad = grad_final if grad_final is not None else torch.zeros_like(initial)
+        after, grad_initial = states_before_chunks(L.flip(-1), from_queries.flip(2), final_grad)
+        grad_chunk_kv = after.flip(2)  # g_{c+1}: what the chunk's own keys and values reach
+        grad_L = (grad_chunk_kv * previous).sum((-1, -2)).to(L.dtype) * L.exp()
+        key_weight = a.exp().to(k.dtype)[..., None]
+        grad_k = (v @ grad_chunk_kv.transpose(-1, -2)) * key_weight
+        grad_v = (k * key_weight) @ grad_chunk_kv
+        grad_a = (grad_k * k).sum(-1).to(a.dtype)
+        return grad_q, grad_k, grad_v, grad_a, grad_b, grad_L, grad_initial
 
 
 def states_before_chunks(log_decay, chunk_kv, initial, group_size: int = 16):
