@@ -289,6 +289,26 @@ def test_unitary_lift_has_the_gradients_of_the_written_out_lift():
         torch.testing.assert_close(g, w)
 
 
+@pytest.mark.parametrize("same_rows", [True, False])
+def test_permutation_powers_have_the_gradients_of_gather(same_rows):
+    """P_pi^s q and P_pi^s k with the backward that recomputes its indices, against autograd through gather
+    with the indices written out; batch rows sharing their positions or not."""
+    from lrpe_hf.modeling.positional_permute import CyclicPermutations
+
+    torch.manual_seed(0)
+    permutations = CyclicPermutations(num_heads=3, size=6, seed=1)
+    q, k = (torch.randn(2, 3, 7, 6, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    positions = torch.arange(7)[None].repeat(2, 1) + (0 if same_rows else torch.tensor([[0], [40]]))
+    ours = permutations.apply(q, k, positions)
+    index = permutations.power_indices(positions)  # (B, H, N, size): pi_h^s(i)
+    expected = q.gather(-1, index), k.gather(-1, index)
+    for got, want in zip(ours, expected):
+        torch.testing.assert_close(got, want)
+    grads = [torch.randn_like(x) for x in expected]
+    for g, w in zip(torch.autograd.grad(ours, (q, k), grads), torch.autograd.grad(expected, (q, k), grads)):
+        torch.testing.assert_close(g, w)
+
+
 # ---------------------------------------------------------------- language-modelling loss
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_items", [None, 7])

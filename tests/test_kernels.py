@@ -5,7 +5,7 @@ import torch
 
 from lrpe_hf.modeling import attention_kernels
 from lrpe_hf.modeling.attention_kernels import bidirectional_linear_attention, causal_linear_attention
-from lrpe_hf.modeling.feature_maps import EluFeatureMap
+from lrpe_hf.modeling.feature_maps import EluFeatureMap, ReluFeatureMap
 from lrpe_hf.modeling.kernel_attention import DivideByLastColumn, nonzero
 from lrpe_hf.modeling.transformer_layer import MLP
 
@@ -106,6 +106,20 @@ def test_shifted_elu_feature_map_is_contiguous_with_the_plain_gradient():
     x.data[0, 0, 0, :2] = 0.0  # the kink at 0: derivative 1
     out = EluFeatureMap(5)(x)
     expected = torch.nn.functional.elu(x) + 1.0
+    assert out.is_contiguous()
+    torch.testing.assert_close(out, expected)
+    grad = torch.randn_like(out)
+    torch.testing.assert_close(torch.autograd.grad(out, x, grad)[0], torch.autograd.grad(expected, x, grad)[0])
+
+
+def test_shifted_relu_feature_map_is_contiguous_with_the_plain_gradient():
+    """max(x, 0) + eps (PermuteFormer eq. 15) through its one-byte-mask backward, against autograd; x = 0 takes
+    relu's derivative 0, as F.relu."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 7, 3, 5, dtype=torch.float64).transpose(1, 2).requires_grad_()
+    x.data[0, 0, 0, :2] = 0.0
+    out = ReluFeatureMap(5, eps=1e-3)(x)
+    expected = torch.nn.functional.relu(x) + 1e-3
     assert out.is_contiguous()
     torch.testing.assert_close(out, expected)
     grad = torch.randn_like(out)

@@ -90,6 +90,25 @@ class EluFeatureMap(FeatureMap):
         return ShiftedElu.apply(x) if torch.is_grad_enabled() and x.requires_grad else shifted_elu(x)
 
 
+def shifted_relu(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """max(x, 0) + eps, contiguous whatever the layout of x (as ``shifted_elu``)."""
+    return F.relu_(x.clone(memory_format=torch.contiguous_format)).add_(eps)
+
+
+class ShiftedRelu(torch.autograd.Function):
+    """``shifted_relu`` saving a one-byte mask of x > 0 for backward, not a float tensor."""
+
+    @staticmethod
+    def forward(ctx, x, eps):
+        ctx.save_for_backward(x > 0)
+        return shifted_relu(x, eps)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (positive,) = ctx.saved_tensors
+        return grad * positive, None
+
+
 class ReluFeatureMap(FeatureMap):
     """phi(x) = max(x, 0) + eps (PermuteFormer eq. 15, eps = 1e-3)."""
 
@@ -100,7 +119,9 @@ class ReluFeatureMap(FeatureMap):
         self.eps = eps
 
     def forward(self, x):
-        return F.relu(x) + self.eps
+        if torch.is_grad_enabled() and x.requires_grad:
+            return ShiftedRelu.apply(x, self.eps)
+        return shifted_relu(x, self.eps)
 
 
 class DPFPFeatureMap(FeatureMap):

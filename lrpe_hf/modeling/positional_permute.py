@@ -57,8 +57,33 @@ class CyclicPermutations(Reinitialisable):
 
     def apply(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
         """q, k (B, H, N, size), positions (B, N) -> P_pi^s q, P_pi^s k (indices computed once)."""
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
+            return PermuteQueriesAndKeys.apply(q, k, self, positions)
         index = self.power_indices(distinct_rows(positions)).expand(q.shape[0], -1, -1, -1)
         return q.gather(-1, index), k.gather(-1, index)
+
+
+class PermuteQueriesAndKeys(torch.autograd.Function):
+    """P_pi^s q and P_pi^s k through ``permutations`` (a ``CyclicPermutations``), saving only the positions:
+    backward recomputes the (B, H, N, size) int64 indices and scatters the gradients back through them (each
+    feature goes to exactly one place), where ``gather`` kept the indices and its inputs."""
+
+    @staticmethod
+    def forward(ctx, q, k, permutations, positions):
+        ctx.permutations = permutations
+        ctx.save_for_backward(positions)
+        index = permutations.power_indices(distinct_rows(positions)).expand(q.shape[0], -1, -1, -1)
+        return q.gather(-1, index), k.gather(-1, index)
+
+    @staticmethod
+    def backward(ctx, grad_q, grad_k):
+        (positions,) = ctx.saved_tensors
+        index = ctx.permutations.power_indices(distinct_rows(positions))
+        grads = [
+            None if grad is None else torch.empty_like(grad).scatter_(-1, index.expand_as(grad), grad)
+            for grad in (grad_q, grad_k)
+        ]
+        return *grads, None, None
 
 
 def default_decays(num_heads: int) -> torch.Tensor:
