@@ -6,7 +6,7 @@ import torch
 from lrpe_hf.modeling import attention_kernels
 from lrpe_hf.modeling.attention_kernels import bidirectional_linear_attention, causal_linear_attention
 from lrpe_hf.modeling.feature_maps import EluFeatureMap, ReluFeatureMap
-from lrpe_hf.modeling.kernel_attention import DivideByLastColumn, nonzero
+from lrpe_hf.modeling.kernel_attention import DivideByDenominator, nonzero
 from lrpe_hf.modeling.transformer_layer import MLP
 
 
@@ -126,10 +126,12 @@ def test_shifted_relu_feature_map_is_contiguous_with_the_plain_gradient():
     torch.testing.assert_close(torch.autograd.grad(out, x, grad)[0], torch.autograd.grad(expected, x, grad)[0])
 
 
+@pytest.mark.parametrize("folded", [True, False])
 @pytest.mark.parametrize("eps_kind", ["number", "tensor", "guarded"])
-def test_division_by_the_last_column_has_the_plain_values_and_gradients(eps_kind):
-    """out[..., :-1] / (out[..., -1:] + eps), written in the heads-merged memory order: values and gradients
-    of the plain expression, eps a number or a per-row tensor; the guard turns an underflowed row into 0."""
+def test_division_by_the_denominator_has_the_plain_values_and_gradients(eps_kind, folded):
+    """out[..., :-1] / (out[..., -1:] + eps), the denominator folded in as the last column or given apart,
+    written in the heads-merged memory order: values and gradients of the plain expression, eps a number or a
+    per-row tensor; the guard turns an underflowed row into 0."""
     torch.manual_seed(0)
     out = torch.randn(2, 3, 5, 5, dtype=torch.float64)
     out[..., -1] = out[..., -1].abs() + 0.5
@@ -141,13 +143,14 @@ def test_division_by_the_last_column_has_the_plain_values_and_gradients(eps_kind
         eps[0, 0, 0] = 0.0
         eps.requires_grad_()
     out.requires_grad_()
-    got = DivideByLastColumn.apply(out, eps, guard)
+    numerator, given = (out, None) if folded else (out[..., :-1], out[..., -1:])
+    got = DivideByDenominator.apply(numerator, given, eps, guard)
     denominator = out[..., -1:] + eps
     expected = out[..., :-1] / (guard(denominator) if guard else denominator)
     torch.testing.assert_close(got, expected)
     assert got.transpose(1, 2).is_contiguous()  # heads merge with a view
     with torch.no_grad():  # without autograd (decoding): the same division, no Function
-        torch.testing.assert_close(DivideByLastColumn.divide(out, eps, guard), expected)
+        torch.testing.assert_close(DivideByDenominator.divide(numerator, given, eps, guard), expected)
     if guard:
         assert torch.all(got[0, 0, 0] == 0)
     inputs = [x for x in (out, eps) if isinstance(x, torch.Tensor)]

@@ -155,7 +155,9 @@ class ExponentialFeatureMap(FeatureMap):
         return self.log_features(x).exp()  # unstabilised: for references and small inputs
 
     def features(self, q, k, mask=None, causal=False, key_max=None, documents=None) -> Features:
-        lq, lk = self.log_features(q), self.log_features(k)
+        # heads-first and contiguous from here on, the layout the attention products want: they would otherwise
+        # each copy (and keep) the features once more
+        lq, lk = self.log_features(q).contiguous(), self.log_features(k).contiguous()
         query_max = lq.amax(-1, keepdim=True).detach()
         fq = (lq - query_max).exp()
         wide = torch.promote_types(lk.dtype, torch.float32)

@@ -34,30 +34,37 @@ def nonzero(denominator: torch.Tensor) -> torch.Tensor:
     return denominator.masked_fill(denominator.abs() < torch.finfo(denominator.dtype).tiny, float("inf"))
 
 
-def divide_by_last_column(out: torch.Tensor, eps, guard=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """out[..., :-1] / guard(out[..., -1:] + eps), (B, H, N, d + 1) -> (B, H, N, d), written in the memory order
-    (B, N, H, d) that the output projection reads: the heads are merged by a view, not by one more copy. ``eps``
-    is a number or a tensor broadcastable to (B, H, N, 1); ``guard`` maps the denominator before its reciprocal
-    is taken (``nonzero``), or is None. Returns the result and the reciprocal (B, H, N, 1)."""
-    numerator, denominator = out.split([out.shape[-1] - 1, 1], dim=-1)
+def divide_rows(numerator: torch.Tensor, denominator: torch.Tensor, eps, guard=None):
+    """numerator (B, H, N, d) / guard(denominator (B, H, N, 1) + eps), written in the memory order (B, N, H, d)
+    that the output projection reads: the heads are merged by a view, not by one more copy. ``eps`` is a number
+    or a tensor broadcastable to (B, H, N, 1); ``guard`` maps the denominator before its reciprocal is taken
+    (``nonzero``), or is None. Returns the result and the reciprocal (B, H, N, 1)."""
     denominator = denominator + eps
     reciprocal = (guard(denominator) if guard else denominator).reciprocal()
     B, H, N, d = numerator.shape
     return torch.mul(numerator, reciprocal, out=numerator.new_empty(B, N, H, d).transpose(1, 2)), reciprocal
 
 
-class DivideByLastColumn(torch.autograd.Function):
-    """``divide_by_last_column`` for autograd, saving the result and the reciprocal only."""
+class DivideByDenominator(torch.autograd.Function):
+    """``divide_rows`` for autograd, saving the result and the reciprocal only. ``denominator`` None: it is the
+    last column of ``numerator`` (B, H, N, d + 1), the ones column folded into the values."""
 
     @staticmethod
-    def divide(out, eps, guard=None):
+    def divide(numerator, denominator, eps, guard=None):
         """The division, through autograd only when a gradient is wanted."""
-        needs_grad = torch.is_grad_enabled() and (out.requires_grad or getattr(eps, "requires_grad", False))
-        return DivideByLastColumn.apply(out, eps, guard) if needs_grad else divide_by_last_column(out, eps, guard)[0]
+        inputs = (numerator, denominator, eps)
+        if torch.is_grad_enabled() and any(getattr(x, "requires_grad", False) for x in inputs):
+            return DivideByDenominator.apply(numerator, denominator, eps, guard)
+        if denominator is None:
+            numerator, denominator = numerator.split([numerator.shape[-1] - 1, 1], dim=-1)
+        return divide_rows(numerator, denominator, eps, guard)[0]
 
     @staticmethod
-    def forward(ctx, out, eps, guard=None):
-        result, reciprocal = divide_by_last_column(out, eps, guard)
+    def forward(ctx, numerator, denominator, eps, guard=None):
+        ctx.folded = denominator is None
+        if ctx.folded:
+            numerator, denominator = numerator.split([numerator.shape[-1] - 1, 1], dim=-1)
+        result, reciprocal = divide_rows(numerator, denominator, eps, guard)
         ctx.save_for_backward(result, reciprocal)
         ctx.eps_shape = eps.shape if isinstance(eps, torch.Tensor) else None
         return result
@@ -65,15 +72,15 @@ class DivideByLastColumn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         result, reciprocal = ctx.saved_tensors
-        grad_out = grad.new_empty(*result.shape[:-1], result.shape[-1] + 1)
-        torch.mul(grad, reciprocal, out=grad_out[..., :-1])
         # d(n / D)/dD = -(n / D) / D: the result times the reciprocal, summed with the output's gradient
         grad_denominator = torch.linalg.vecdot(grad, result, dim=-1).unsqueeze(-1).mul_(reciprocal).neg_()
+        grad_eps = grad_denominator.sum_to_size(ctx.eps_shape) if ctx.needs_input_grad[2] else None
+        if not ctx.folded:
+            return grad * reciprocal, grad_denominator, grad_eps, None
+        grad_out = grad.new_empty(*result.shape[:-1], result.shape[-1] + 1)
+        torch.mul(grad, reciprocal, out=grad_out[..., :-1])
         grad_out[..., -1:] = grad_denominator
-        grad_eps = None
-        if ctx.needs_input_grad[1]:
-            grad_eps = grad_denominator.sum_to_size(ctx.eps_shape)
-        return grad_out, grad_eps, None
+        return grad_out, None, grad_eps, None
 
 
 @dataclass
@@ -134,17 +141,19 @@ class KernelAttention(nn.Module):
             return self.layer_norm_over_heads(out, features.log_scale)
         if features.log_scale is None:
             if self.normalization == "denominator":
-                return DivideByLastColumn.divide(out, self.eps)
+                return DivideByDenominator.divide(out, None, self.eps)
             if self.normalization == "unrotated_denominator":
-                return out / (self.unrotated_denominator(features.query, features.key, gates, state, starts) + self.eps)
+                denominator = self.unrotated_denominator(features.query, features.key, gates, state, starts)
+                return DivideByDenominator.divide(out, denominator, self.eps)
             return self.output_norm(out.to(self.output_norm.weight.dtype)).to(out.dtype)  # fused kernel under autocast
         # Stabilised features: eps on the unstabilised scale. A row whose every term underflowed (logits spread
         # over ~80 or more in float32) has no precision left: its output is 0 instead of noise or NaN.
         eps = self.eps * torch.exp(-features.log_scale).to(out.dtype)
         if self.normalization == "denominator":
-            return DivideByLastColumn.divide(out, eps, nonzero)
+            return DivideByDenominator.divide(out, None, eps, nonzero)
         if self.normalization == "unrotated_denominator":
-            return out / nonzero(self.unrotated_denominator(features.query, features.key, gates, state, starts) + eps)
+            denominator = self.unrotated_denominator(features.query, features.key, gates, state, starts)
+            return DivideByDenominator.divide(out, denominator, eps, nonzero)
         # RMSNorm is scale-free: divide by the row's largest entry first, so that squaring cannot underflow.
         peak = out.abs().amax(-1, keepdim=True)
         unit = out / nonzero(peak)
