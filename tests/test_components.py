@@ -31,6 +31,25 @@ def test_fft_toeplitz_equals_dense_toeplitz_1d(causal):
     torch.testing.assert_close(bias.dense(values, positions, positions, causal), expected, atol=1e-9, rtol=1e-9)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_fft_toeplitz_gradients_equal_the_dense_product(causal):
+    """The FFT product's own backward (mirrored lags for the values, a cross-correlation for the weights)
+    against autograd through the dense W V, with the lag table learnable."""
+    torch.manual_seed(0)
+    bias = FastRelativePositionBias(num_heads=3, max_positions=300, init_std=1.0).double()
+    values = torch.randn(2, 3, 257, 5, dtype=torch.float64, requires_grad=True)
+    positions = torch.arange(257)[None, :, None].expand(2, -1, -1)
+    lags = torch.arange(257)[:, None] - torch.arange(257)[None, :]
+    dense = bias.weights[0][:, 299 + lags] * (lags >= 0 if causal else 1)  # (H, N, N), W[s, t] = w[s - t]
+    expected = dense[None] @ values
+    fft = bias.fft(values, positions, positions, causal)
+    grad = torch.randn_like(expected)
+    inputs = (values, bias.weights)
+    got, want = (torch.autograd.grad(out, inputs, grad) for out in (fft, expected))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-9, rtol=1e-9)
+
+
 def test_fft_toeplitz_equals_dense_2d_separable_bias():
     torch.manual_seed(0)
     bias = FastRelativePositionBias(num_heads=2, max_positions=9, position_dims=2, init_std=1.0).double()

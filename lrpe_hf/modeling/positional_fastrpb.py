@@ -20,16 +20,49 @@ from .positional_spe import fast_fft_size
 
 def toeplitz_apply(lag_weights: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """Multiply by the Toeplitz matrix W[s, t] = w[s - t] via FFT.
-
     lag_weights (H, 2S - 1) for lags -(S-1)..(S-1); values (B, H, S, d) -> (B, H, S, d).
     """
+    return ToeplitzProduct.apply(lag_weights, values)
+
+
+def toeplitz_fft(lag_weights: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """The product of ``toeplitz_apply``, computed in float32 at least (the FFT has no half-precision CPU
+    kernels) and returned in that precision."""
     S = values.shape[-2]
     n = fast_fft_size(2 * S - 1)  # at least 2S - 1: the kept outputs are free of circular wrap-around
-    dtype = torch.promote_types(values.dtype, torch.float32)  # the FFT has no half-precision CPU kernels
+    dtype = torch.promote_types(values.dtype, torch.float32)
     kernel = torch.fft.rfft(lag_weights.to(dtype), n=n, dim=-1)[None, :, None, :]  # (1, H, 1, F)
     signal = torch.fft.rfft(values.to(dtype).transpose(-1, -2), n=n, dim=-1)  # (B, H, d, F): contiguous FFTs
     full = torch.fft.irfft(kernel * signal, n=n, dim=-1)
-    return full[..., S - 1 : 2 * S - 1].transpose(-1, -2).to(values.dtype)
+    return full[..., S - 1 : 2 * S - 1].transpose(-1, -2)
+
+
+class ToeplitzProduct(torch.autograd.Function):
+    """``toeplitz_apply`` saving its inputs only, where autograd through the FFTs kept two spectra of the
+    values' size. Backward: grad_values = W^T grad, the same product with the lags mirrored; grad_w[lag] =
+    sum over s - t = lag of grad_s . v_t, a cross-correlation, also by FFT."""
+
+    @staticmethod
+    def forward(ctx, lag_weights, values):
+        ctx.save_for_backward(lag_weights, values)
+        return toeplitz_fft(lag_weights, values).to(values.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        lag_weights, values = ctx.saved_tensors
+        grad_values = toeplitz_fft(lag_weights.flip(-1), grad).to(values.dtype) if ctx.needs_input_grad[1] else None
+        grad_weights = None
+        if ctx.needs_input_grad[0]:
+            S = values.shape[-2]
+            n = fast_fft_size(2 * S - 1)
+            dtype = torch.promote_types(values.dtype, torch.float32)
+            grad_spectrum, values_spectrum = (
+                torch.fft.rfft(x.to(dtype).transpose(-1, -2), n=n, dim=-1) for x in (grad, values)
+            )
+            # c[lag] = sum_s grad_s v_{s - lag}, circular over n >= 2S - 1, so lags -(S-1)..(S-1) do not wrap
+            correlation = torch.fft.irfft((grad_spectrum * values_spectrum.conj()).sum((0, 2)), n=n, dim=-1)
+            grad_weights = torch.cat([correlation[:, n - S + 1 :], correlation[:, :S]], dim=-1).to(lag_weights.dtype)
+        return grad_weights, grad_values
 
 
 class FastRelativePositionBias(PositionalEncoding):
