@@ -44,10 +44,14 @@ def test_causal_values_and_gradients_equal_the_quadratic_formula(
 
 @pytest.mark.parametrize("heads_at_once", [1, 4])
 @pytest.mark.parametrize("with_initial", [False, True])
-def test_causal_product_in_blocks_of_heads_equals_the_quadratic_formula(heads_at_once, with_initial, monkeypatch):
-    """Long inputs go through the ungated product a few heads at a time (6 heads: blocks of 1, and of 4 then 2)."""
+@pytest.mark.parametrize("gated, with_resets", [(False, False), (True, False), (True, True)])
+def test_causal_product_in_blocks_of_heads_equals_the_quadratic_formula(
+    heads_at_once, with_initial, gated, with_resets, monkeypatch
+):
+    """Long inputs go through the chunked products a few heads at a time (6 heads: blocks of 1, and of 4 then 2),
+    documents' visibility following each head's batch row."""
     monkeypatch.setattr(attention_kernels, "heads_per_block", lambda *shape: heads_at_once)
-    check_causal_against_quadratic(29, 4, False, with_initial, False)
+    check_causal_against_quadratic(29, 4, gated, with_initial, with_resets)
 
 
 def check_causal_against_quadratic(num_tokens, chunk_size, gated, with_initial, with_resets):

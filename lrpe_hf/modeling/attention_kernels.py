@@ -223,19 +223,39 @@ def causal_linear_attention(q, k, v, log_gates=None, initial_state=None, chunk_s
 
 
 class GatedIntraChunkProduct(torch.autograd.Function):
-    """Inside each chunk: out_i = sum_j exp(G_i - G_j) (q_i . k_j) v_j over the visible pairs (i, j). Saves only its
-    inputs: backward recomputes the C x C scores and decays. The gradient of G follows from the exponent
-    G_i - G_j: row sums minus column sums of dL/d(exponent).
+    """Inside each chunk: out_i = sum_j exp(G_i - G_j) (q_i . k_j) v_j over the visible pairs (i, j), a block
+    of heads at a time (``heads_per_block``). Saves only its inputs: backward recomputes the C x C scores and
+    decays. The gradient of G follows from the exponent G_i - G_j: row sums minus column sums of
+    dL/d(exponent).
 
-    q, k (B, H, nc, C, m); v (B, H, nc, C, dv); G (B, H, nc, C), the log gates summed from the chunk's start;
-    visible (C, C) or (B, 1, nc, C, C) bool. Returns (B, H, nc, C, dv).
+    q, k (B, H, nc, C, m); v (B, H, nc, C, dv) contiguous; G (B, H, nc, C), the log gates summed from the
+    chunk's start; visible (C, C) or (B, 1, nc, C, C) bool. Returns (B, H, nc, C, dv).
     """
 
     @staticmethod
     def forward(ctx, q, k, v, G, visible):
-        scores, decay = GatedIntraChunkProduct.scores_and_decay(q, k, G, visible)
         ctx.save_for_backward(q, k, v, G, visible)
-        return (scores * decay.to(scores.dtype)) @ v
+        out = v.new_empty(v.shape)
+        for qb, kb, vb, Gb, visible_b, out_b in GatedIntraChunkProduct.blocks(q, k, v, G, visible, out):
+            scores, decay = GatedIntraChunkProduct.scores_and_decay(qb, kb, Gb, visible_b)
+            torch.matmul(scores.mul_(decay.to(scores.dtype)), vb, out=out_b)
+        return out
+
+    @staticmethod
+    def blocks(q, k, v, G, visible, *more):
+        """For each block of heads: the (B * H)-flattened slices of q, k, v, G, the matching visibility, and of
+        every tensor in ``more`` (shaped like q, v or G)."""
+        B, H, nc, C, _ = q.shape
+        flat = [x.view(B * H, *x.shape[2:]) for x in (q, k, v, G, *more)]
+        step = heads_per_block(B * H, nc, C)
+        for start in range(0, B * H, step):
+            rows = [x[start : start + step] for x in flat]
+            if visible.dim() == 2:
+                visible_b = visible
+            else:  # per batch row: the batch index of each flattened head
+                batch = torch.arange(start, min(start + step, B * H), device=q.device) // H
+                visible_b = visible[:, 0].index_select(0, batch)
+            yield *rows[:4], visible_b, *rows[4:]
 
     @staticmethod
     def scores_and_decay(q, k, G, visible):
@@ -245,15 +265,19 @@ class GatedIntraChunkProduct(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, G, visible = ctx.saved_tensors
-        scores, decay = GatedIntraChunkProduct.scores_and_decay(q, k, G, visible)
-        grad_weights = grad_out @ v.transpose(-1, -2)  # dL/d(scores * decay)
-        grad_v = (scores * decay.to(scores.dtype)).transpose(-1, -2) @ grad_out
-        grad_scores = grad_weights * decay.to(grad_weights.dtype)
-        grad_q, grad_k = grad_scores @ k, grad_scores.transpose(-1, -2) @ q
-        grad_G = None
-        if ctx.needs_input_grad[3]:
+        grad_out = grad_out.contiguous()
+        grad_q, grad_k, grad_v, grad_G = (torch.empty_like(x) for x in (q, k, v, G))
+        blocks = GatedIntraChunkProduct.blocks(q, k, v, G, visible, grad_out, grad_q, grad_k, grad_v, grad_G)
+        for qb, kb, vb, Gb, visible_b, gob, gqb, gkb, gvb, gGb in blocks:
+            scores, decay = GatedIntraChunkProduct.scores_and_decay(qb, kb, Gb, visible_b)
+            decay = decay.to(scores.dtype)
+            grad_weights = gob @ vb.transpose(-1, -2)  # dL/d(scores * decay)
+            torch.matmul((scores * decay).transpose(-1, -2), gob, out=gvb)
+            grad_scores = grad_weights.mul_(decay)
+            torch.matmul(grad_scores, kb, out=gqb)
+            torch.matmul(grad_scores.transpose(-1, -2), qb, out=gkb)
             grad_exponent = (grad_scores * scores).to(G.dtype)  # d exp(x) / dx = exp(x): decay folded in above
-            grad_G = grad_exponent.sum(-1) - grad_exponent.sum(-2)
+            torch.sub(grad_exponent.sum(-1), grad_exponent.sum(-2), out=gGb)
         return grad_q, grad_k, grad_v, grad_G, None
 
 
