@@ -15,9 +15,10 @@ ROWS_PER_BLOCK = 1024
 
 
 class CrossEntropySum(torch.autograd.Function):
-    """The sum over rows with ``targets != ignore_index`` of logsumexp(logits) - logits[target], in float32.
+    """The sum over rows with ``targets != ignore_index`` of logsumexp(logits) - logits[target], in float32 (or
+    float64 for float64 logits).
 
-    logits (T, V), any float dtype (computed in float32 a block of rows at a time); targets (T,) long.
+    logits (T, V), any float dtype (computed in that precision a block of rows at a time); targets (T,) long.
     With ``hidden`` (T, D) and ``weight`` (V, D), the logits are hidden @ weight^T (a bias-free head): backward
     then recomputes them a block of rows at a time, under the autocast state of forward, and returns the
     gradients of hidden and weight; neither the logits nor their full gradient are kept.
@@ -25,13 +26,14 @@ class CrossEntropySum(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, targets, ignore_index, hidden=None, weight=None):
-        log_partition = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+        precision = torch.promote_types(logits.dtype, torch.float32)
+        log_partition = torch.empty(logits.shape[0], dtype=precision, device=logits.device)
         for block in range(0, logits.shape[0], ROWS_PER_BLOCK):
             rows = slice(block, block + ROWS_PER_BLOCK)
-            log_partition[rows] = torch.logsumexp(logits[rows].float(), dim=-1)
+            log_partition[rows] = torch.logsumexp(logits[rows].to(precision), dim=-1)
         kept = targets != ignore_index
         safe_targets = targets.masked_fill(~kept, 0)
-        picked = logits.gather(1, safe_targets[:, None])[:, 0].float()
+        picked = logits.gather(1, safe_targets[:, None])[:, 0].to(precision)
         ctx.recompute = hidden is not None
         if ctx.recompute:
             device = logits.device.type
@@ -58,7 +60,8 @@ class CrossEntropySum(torch.autograd.Function):
         hidden, weight, targets, kept, log_partition = ctx.saved_tensors
         device, dtype, enabled = ctx.autocast
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[3] else None
-        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[4] else None
+        precision = torch.promote_types(weight.dtype, torch.float32)
+        grad_weight = torch.zeros_like(weight, dtype=precision) if ctx.needs_input_grad[4] else None
         with torch.autocast(device, dtype=dtype, enabled=enabled):
             for block in range(0, hidden.shape[0], ROWS_PER_BLOCK):
                 rows = slice(block, block + ROWS_PER_BLOCK)
@@ -73,8 +76,9 @@ class CrossEntropySum(torch.autograd.Function):
 
 
 def softmax_minus_one_hot(logits, targets, kept, log_partition, grad_loss):
-    """grad_loss * (softmax(logits) - one_hot(targets)) on kept rows, 0 on the others, in float32: (rows, V)."""
-    probabilities = torch.exp(logits.float() - log_partition[:, None])
+    """grad_loss * (softmax(logits) - one_hot(targets)) on kept rows, 0 on the others, in the precision of
+    ``log_partition``: (rows, V)."""
+    probabilities = torch.exp(logits.to(log_partition.dtype) - log_partition[:, None])
     probabilities.scatter_add_(1, targets[:, None], -torch.ones_like(probabilities[:, :1]))
     return torch.where(kept[:, None], probabilities * grad_loss, 0.0)
 
