@@ -28,10 +28,16 @@ def bidirectional_linear_attention(q, k, v, documents=None):
 
 
 def heads_per_block(num_heads: int, num_chunks: int, chunk_size: int, budget: int = 1 << 20) -> int:
-    """How many heads the chunked product handles at once: as many as keep one block's C x C scores within
+    """How many heads the chunked products handle at once: as many as keep one block's C x C scores within
     ``budget`` elements (4 MB in float32). Small blocks stay in the CPU's caches and in the allocator's reused
     memory; a full-size temporary costs a fresh allocation (page faults) and a trip through main memory."""
     return max(1, min(num_heads, budget // (num_chunks * chunk_size * chunk_size)))
+
+
+def head_blocks(num_heads: int, num_chunks: int, chunk_size: int):
+    """The slices of consecutive heads, ``heads_per_block`` at a time, that cover ``num_heads``."""
+    step = heads_per_block(num_heads, num_chunks, chunk_size)
+    return [slice(start, start + step) for start in range(0, num_heads, step)]
 
 
 def add_state_products(target, left, states, initial, num_chunks):
@@ -86,9 +92,7 @@ class ChunkedCausalProduct(torch.autograd.Function):
         dv = v.shape[-1]
         out = v.new_empty(G, nc, C, dv)
         final = v.new_empty(G, m, dv)
-        step = heads_per_block(G, nc, C)
-        for h in range(0, G, step):
-            heads = slice(h, h + step)
+        for heads in head_blocks(G, nc, C):
             qf, kf, vf = (x[heads].view(-1, C, x.shape[-1]) for x in (q, k, v))
             start = initial[heads].to(v.dtype) if initial is not None else None
             states = ChunkedCausalProduct.running_states(kf, vf, start, nc)
@@ -117,9 +121,7 @@ class ChunkedCausalProduct(torch.autograd.Function):
         grad_out = grad_out.contiguous()
         grad_q, grad_k, grad_v = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         grad_initial = v.new_empty(G, m, dv) if initial is not None else None
-        step = heads_per_block(G, nc, C)
-        for h in range(0, G, step):
-            heads = slice(h, h + step)
+        for heads in head_blocks(G, nc, C):
             qf, kf, vf, go = (x[heads].view(-1, C, x.shape[-1]) for x in (q, k, v, grad_out))
             start = initial[heads].to(v.dtype) if initial is not None else None
             states = ChunkedCausalProduct.running_states(kf, vf, start, nc)
@@ -219,7 +221,7 @@ def causal_linear_attention(q, k, v, log_gates=None, initial_state=None, chunk_s
     state = initial_state.to(v.dtype) if initial_state is not None else v.new_zeros(B, H, m, dv)
     with torch.autocast(device, enabled=False):
         inter, state = GatedChunkStates.apply(q, k, v, to_chunk_end, query_decay, chunk_decay, state)
-    return (intra + inter).reshape(B, H, num_chunks * C, dv)[:, :, :N], state
+    return intra.add_(inter).reshape(B, H, num_chunks * C, dv)[:, :, :N], state  # intra: a fresh tensor
 
 
 class GatedIntraChunkProduct(torch.autograd.Function):
@@ -247,13 +249,12 @@ class GatedIntraChunkProduct(torch.autograd.Function):
         every tensor in ``more`` (shaped like q, v or G)."""
         B, H, nc, C, _ = q.shape
         flat = [x.view(B * H, *x.shape[2:]) for x in (q, k, v, G, *more)]
-        step = heads_per_block(B * H, nc, C)
-        for start in range(0, B * H, step):
-            rows = [x[start : start + step] for x in flat]
+        for heads in head_blocks(B * H, nc, C):
+            rows = [x[heads] for x in flat]
             if visible.dim() == 2:
                 visible_b = visible
             else:  # per batch row: the batch index of each flattened head
-                batch = torch.arange(start, min(start + step, B * H), device=q.device) // H
+                batch = torch.arange(B * H, device=q.device)[heads] // H
                 visible_b = visible[:, 0].index_select(0, batch)
             yield *rows[:4], visible_b, *rows[4:]
 

@@ -97,9 +97,7 @@ class LinearAttentionState(TensorState):
             self.last_position = positions[:, -1, 0]
             self.document = documents[:, -1]
             return
-        index = torch.arange(N, device=positions.device).expand(B, N)
-        if mask is not None:
-            index = index.masked_fill(~mask, -1)
+        index = torch.arange(N, device=positions.device).expand(B, N).masked_fill(~mask, -1)
         last_index = index.amax(-1)  # the last real token of each row, -1 if none
         last = positions[..., 0].gather(-1, last_index.clamp_min(0)[:, None])[:, 0]
         if self.last_position is not None:

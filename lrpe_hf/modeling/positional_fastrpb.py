@@ -25,15 +25,18 @@ def toeplitz_apply(lag_weights: torch.Tensor, values: torch.Tensor) -> torch.Ten
     return ToeplitzProduct.apply(lag_weights, values)
 
 
+def spectrum(x: torch.Tensor, n: int) -> torch.Tensor:
+    """The real FFT of length n along the sequence of x (B, H, S, d), in float32 at least (the FFT has no
+    half-precision CPU kernels): (B, H, d, n // 2 + 1), each transform over contiguous memory."""
+    return torch.fft.rfft(x.to(torch.promote_types(x.dtype, torch.float32)).transpose(-1, -2), n=n, dim=-1)
+
+
 def toeplitz_fft(lag_weights: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """The product of ``toeplitz_apply``, computed in float32 at least (the FFT has no half-precision CPU
-    kernels) and returned in that precision."""
+    """The product of ``toeplitz_apply``, in float32 at least."""
     S = values.shape[-2]
     n = fast_fft_size(2 * S - 1)  # at least 2S - 1: the kept outputs are free of circular wrap-around
-    dtype = torch.promote_types(values.dtype, torch.float32)
-    kernel = torch.fft.rfft(lag_weights.to(dtype), n=n, dim=-1)[None, :, None, :]  # (1, H, 1, F)
-    signal = torch.fft.rfft(values.to(dtype).transpose(-1, -2), n=n, dim=-1)  # (B, H, d, F): contiguous FFTs
-    full = torch.fft.irfft(kernel * signal, n=n, dim=-1)
+    kernel = torch.fft.rfft(lag_weights.to(torch.promote_types(values.dtype, torch.float32)), n=n, dim=-1)
+    full = torch.fft.irfft(kernel[None, :, None, :] * spectrum(values, n), n=n, dim=-1)
     return full[..., S - 1 : 2 * S - 1].transpose(-1, -2)
 
 
@@ -55,12 +58,8 @@ class ToeplitzProduct(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             S = values.shape[-2]
             n = fast_fft_size(2 * S - 1)
-            dtype = torch.promote_types(values.dtype, torch.float32)
-            grad_spectrum, values_spectrum = (
-                torch.fft.rfft(x.to(dtype).transpose(-1, -2), n=n, dim=-1) for x in (grad, values)
-            )
             # c[lag] = sum_s grad_s v_{s - lag}, circular over n >= 2S - 1, so lags -(S-1)..(S-1) do not wrap
-            correlation = torch.fft.irfft((grad_spectrum * values_spectrum.conj()).sum((0, 2)), n=n, dim=-1)
+            correlation = torch.fft.irfft((spectrum(grad, n) * spectrum(values, n).conj()).sum((0, 2)), n=n, dim=-1)
             grad_weights = torch.cat([correlation[:, n - S + 1 :], correlation[:, :S]], dim=-1).to(lag_weights.dtype)
         return grad_weights, grad_values
 

@@ -11,22 +11,12 @@ from .positional_encoding import PositionalEncoding, axis_of_each, unit_angles, 
 
 def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate consecutive pairs of ``x`` (..., m) by angles given as ``cos``, ``sin`` (..., P), P <= m // 2;
-    the remaining features pass through. Each pair is a complex number multiplied by exp(i angle)."""
-    if x.dtype in (torch.float32, torch.float64):
-        return multiply_pairs(x, torch.complex(cos, sin))
-    num_pairs = cos.shape[-1]  # half precision has no complex kernels on every device
+    the remaining features pass through. The real form, for half precision (no complex kernels on every
+    device); float32 and float64 go through ``RotateQueriesAndKeys``."""
+    num_pairs = cos.shape[-1]
     pairs, rest = x[..., : 2 * num_pairs], x[..., 2 * num_pairs :]
     even, odd = pairs[..., 0::2], pairs[..., 1::2]
     rotated = torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1).flatten(-2)
-    return torch.cat([rotated, rest], dim=-1) if rest.shape[-1] else rotated
-
-
-def multiply_pairs(x: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
-    """x (..., m) with its first P pairs read as complex numbers and multiplied by ``factor`` (..., P) complex."""
-    num_pairs = factor.shape[-1]
-    pairs, rest = x[..., : 2 * num_pairs], x[..., 2 * num_pairs :]
-    as_complex = torch.view_as_complex(pairs.unflatten(-1, (num_pairs, 2)).contiguous())
-    rotated = torch.view_as_real(as_complex * factor).flatten(-2)
     return torch.cat([rotated, rest], dim=-1) if rest.shape[-1] else rotated
 
 
@@ -35,8 +25,16 @@ def as_pairs(x: torch.Tensor, num_pairs: int) -> torch.Tensor:
     return torch.view_as_complex(x[..., : 2 * num_pairs].unflatten(-1, (num_pairs, 2)).contiguous())
 
 
+def multiply_pairs(x: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+    """x (..., m) with its first P pairs read as complex numbers and multiplied by ``factor`` (..., P) complex."""
+    num_pairs = factor.shape[-1]
+    rotated = torch.view_as_real(as_pairs(x, num_pairs) * factor).flatten(-2)
+    rest = x[..., 2 * num_pairs :]
+    return torch.cat([rotated, rest], dim=-1) if rest.shape[-1] else rotated
+
+
 class RotateQueriesAndKeys(torch.autograd.Function):
-    """``rotate_pairs`` of q and k (float32 or float64) by the same ``angles``, saving only the rotated outputs
+    """The pair rotation of q and k (float32 or float64) by the same ``angles``, saving only the rotated outputs
     (the attention saves them too) and the angles: backward turns the gradient back by -angle, and the angles'
     gradient is Im(conj(y) grad) for each rotated pair y. q, k (B, H, N, m); angles (B', H, N, P), B' 1 or B."""
 
@@ -67,8 +65,8 @@ class RotateQueriesAndKeys(torch.autograd.Function):
 
 
 def rotate_queries_and_keys(q, k, angles):
-    """(rotate_pairs(q, cos, sin), rotate_pairs(k, cos, sin)) for the ``angles`` (B', H, N, P), with the lighter
-    backward where complex kernels apply (float32, float64)."""
+    """q and k with their feature pairs rotated by ``angles`` (B', H, N, P): through ``RotateQueriesAndKeys``
+    where complex kernels apply (float32, float64), else in the real form."""
     if q.dtype in (torch.float32, torch.float64) and k.dtype == q.dtype:
         return RotateQueriesAndKeys.apply(q, k, angles)
     cos, sin = angles.cos().to(q.dtype), angles.sin().to(q.dtype)
