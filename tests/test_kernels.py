@@ -42,30 +42,54 @@ def test_causal_values_and_gradients_equal_the_quadratic_formula(
     check_causal_against_quadratic(num_tokens, chunk_size, gated, with_initial, with_resets)
 
 
-@pytest.mark.parametrize("heads_at_once", [1, 4])
+@pytest.mark.parametrize("block_elements", [128, 512])
 @pytest.mark.parametrize("with_initial", [False, True])
 @pytest.mark.parametrize("gated, with_resets", [(False, False), (True, False), (True, True)])
-def test_causal_product_in_blocks_of_heads_equals_the_quadratic_formula(
-    heads_at_once, with_initial, gated, with_resets, monkeypatch
+def test_causal_product_in_blocks_equals_the_quadratic_formula(
+    block_elements, with_initial, gated, with_resets, monkeypatch
 ):
-    """Long inputs go through the chunked products a few heads at a time (6 heads: blocks of 1, and of 4 then 2),
-    documents' visibility following each head's batch row."""
-    monkeypatch.setattr(attention_kernels, "heads_per_block", lambda *shape: heads_at_once)
+    """Long inputs go through the chunked products a block at a time (2 rows x 3 heads of 8 chunks of 4 x 4
+    scores: blocks of one head and one row, or of 2 heads then 1; gated, 6 flattened heads in blocks of 1, or of 4
+    then 2), documents' visibility following each head's batch row."""
+    monkeypatch.setattr(attention_kernels, "BLOCK_ELEMENTS", block_elements)
     check_causal_against_quadratic(29, 4, gated, with_initial, with_resets)
 
 
-def check_causal_against_quadratic(num_tokens, chunk_size, gated, with_initial, with_resets):
+@pytest.mark.parametrize("block_elements", [128, 1 << 20])
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("num_tokens", [29, 1])
+def test_causal_product_with_its_denominator_from_the_projections_layout(
+    gated, num_tokens, block_elements, monkeypatch
+):
+    """The layer's inputs: q, k, v tokens-first (B, N, H, ·) as the projections leave them, and the denominator
+    computed alongside: the quadratic formula on [v, 1] (its last column is the denominator, the final state's
+    last column the key sum), and the gradients of q, k, v and of the initial state, the denominator and the
+    final state's key sum receiving gradients of their own."""
+    monkeypatch.setattr(attention_kernels, "BLOCK_ELEMENTS", block_elements)
+    check_causal_against_quadratic(num_tokens, 4, gated, True, False, tokens_first=True, with_denominator=True)
+
+
+def check_causal_against_quadratic(
+    num_tokens, chunk_size, gated, with_initial, with_resets, tokens_first=False, with_denominator=False
+):
     torch.manual_seed(0)
     B, H, N, m, dv = 2, 3, num_tokens, 5, 6
-    q, k = (torch.rand(B, H, N, m, dtype=torch.float64, requires_grad=True) for _ in range(2))
-    v = torch.randn(B, H, N, dv, dtype=torch.float64, requires_grad=True)
+    shape = (B, N, H) if tokens_first else (B, H, N)
+    leaves = [torch.rand(*shape, m, dtype=torch.float64, requires_grad=True) for _ in range(2)]
+    leaves.append(torch.randn(*shape, dv, dtype=torch.float64, requires_grad=True))
+    q, k, v = (x.transpose(1, 2) if tokens_first else x for x in leaves)
     gates = (-torch.rand(B, H, N, dtype=torch.float64)).requires_grad_() if gated else None
-    initial = torch.randn(B, H, m, dv, dtype=torch.float64, requires_grad=True) if with_initial else None
+    state_width = dv + with_denominator  # the key sum as the state's last column
+    initial = torch.randn(B, H, m, state_width, dtype=torch.float64, requires_grad=True) if with_initial else None
     resets = (torch.rand(B, N) < (0.15 if N > 1 else 0.5)) if with_resets else None
-    inputs = [x for x in (q, k, v, gates, initial) if x is not None]
+    inputs = [x for x in (*leaves, gates, initial) if x is not None]
 
-    out, final = causal_linear_attention(q, k, v, gates, initial, chunk_size, resets)
-    expected_out, expected_final = quadratic_causal(q, k, v, gates, initial, resets)
+    out, denominator, final = causal_linear_attention(q, k, v, gates, initial, chunk_size, resets, with_denominator)
+    assert (denominator is not None) == with_denominator
+    if with_denominator:
+        out = torch.cat([out, denominator], dim=-1)  # both outputs, each with a gradient of its own below
+    values = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1) if with_denominator else v
+    expected_out, expected_final = quadratic_causal(q, k, values, gates, initial, resets)
     torch.testing.assert_close(out, expected_out, atol=1e-10, rtol=1e-10)
     torch.testing.assert_close(final, expected_final, atol=1e-10, rtol=1e-10)
     grad_out, grad_final = torch.randn_like(out), torch.randn_like(final)
@@ -78,12 +102,37 @@ def check_causal_against_quadratic(num_tokens, chunk_size, gated, with_initial, 
             torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10)
 
 
-def test_bidirectional_values_and_gradients_equal_the_quadratic_formula():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_causal_product_under_autocast_computes_in_the_autocast_dtype(dtype):
+    """float32 inputs under autocast: the products run in the autocast dtype (as a matmul would), so the output
+    is the quadratic formula to that dtype's precision, and every gradient keeps its input's dtype."""
+    torch.manual_seed(0)
+    q, k = (torch.rand(1, 2, 40, 8, requires_grad=True) for _ in range(2))
+    v = torch.randn(1, 2, 40, 8, requires_grad=True)
+    with torch.autocast("cpu", dtype=dtype):
+        out, denominator, final = causal_linear_attention(q, k, v, chunk_size=16, with_denominator=True)
+    assert out.dtype == denominator.dtype == final.dtype == dtype
+    out = torch.cat([out, denominator], dim=-1)
+    values = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
+    expected, _ = quadratic_causal(q, k, values, None, None, None)
+    torch.testing.assert_close(out.float(), expected, atol=0.05 * expected.abs().max().item(), rtol=0.05)
+    grads = torch.autograd.grad(out.float().sum(), (q, k, v))
+    assert [g.dtype for g in grads] == [torch.float32] * 3
+    wanted = torch.autograd.grad(expected.sum(), (q, k, v))
+    for got, want in zip(grads, wanted):
+        torch.testing.assert_close(got, want, atol=0.05 * want.abs().max().item(), rtol=0.05)
+
+
+@pytest.mark.parametrize("with_denominator", [False, True])
+def test_bidirectional_values_and_gradients_equal_the_quadratic_formula(with_denominator):
     torch.manual_seed(0)
     q, k = (torch.rand(2, 3, 17, 5, dtype=torch.float64, requires_grad=True) for _ in range(2))
     v = torch.randn(2, 3, 17, 6, dtype=torch.float64, requires_grad=True)
-    out = bidirectional_linear_attention(q, k, v)
-    expected = (q @ k.transpose(-1, -2)) @ v
+    out, denominator = bidirectional_linear_attention(q, k, v, with_denominator=with_denominator)
+    if with_denominator:
+        out = torch.cat([out, denominator], dim=-1)
+    values = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1) if with_denominator else v
+    expected = (q @ k.transpose(-1, -2)) @ values
     torch.testing.assert_close(out, expected)
     grad = torch.randn_like(out)
     for got, want in zip(torch.autograd.grad(out, (q, k, v), grad), torch.autograd.grad(expected, (q, k, v), grad)):
@@ -104,19 +153,19 @@ def test_mlp_that_recomputes_its_activation_has_the_plain_gradients(activation):
         torch.testing.assert_close(got, want)
 
 
-def test_shifted_elu_feature_map_is_contiguous_with_the_plain_gradient():
+def test_shifted_elu_feature_map_keeps_the_layout_with_the_plain_gradient():
     torch.manual_seed(0)
     x = torch.randn(2, 7, 3, 5, dtype=torch.float64).transpose(1, 2).requires_grad_()  # heads not leading
     x.data[0, 0, 0, :2] = 0.0  # the kink at 0: derivative 1
     out = EluFeatureMap(5)(x)
     expected = torch.nn.functional.elu(x) + 1.0
-    assert out.is_contiguous()
+    assert out.stride() == x.stride()  # no layout copy: the products take any layout
     torch.testing.assert_close(out, expected)
     grad = torch.randn_like(out)
     torch.testing.assert_close(torch.autograd.grad(out, x, grad)[0], torch.autograd.grad(expected, x, grad)[0])
 
 
-def test_shifted_relu_feature_map_is_contiguous_with_the_plain_gradient():
+def test_shifted_relu_feature_map_keeps_the_layout_with_the_plain_gradient():
     """max(x, 0) + eps (PermuteFormer eq. 15) through its one-byte-mask backward, against autograd; x = 0 takes
     relu's derivative 0, as F.relu."""
     torch.manual_seed(0)
@@ -124,40 +173,38 @@ def test_shifted_relu_feature_map_is_contiguous_with_the_plain_gradient():
     x.data[0, 0, 0, :2] = 0.0
     out = ReluFeatureMap(5, eps=1e-3)(x)
     expected = torch.nn.functional.relu(x) + 1e-3
-    assert out.is_contiguous()
+    assert out.stride() == x.stride()  # no layout copy: the products take any layout
     torch.testing.assert_close(out, expected)
     grad = torch.randn_like(out)
     torch.testing.assert_close(torch.autograd.grad(out, x, grad)[0], torch.autograd.grad(expected, x, grad)[0])
 
 
-@pytest.mark.parametrize("folded", [True, False])
 @pytest.mark.parametrize("eps_kind", ["number", "tensor", "guarded"])
-def test_division_by_the_denominator_has_the_plain_values_and_gradients(eps_kind, folded):
-    """out[..., :-1] / (out[..., -1:] + eps), the denominator folded in as the last column or given apart,
-    written in the heads-merged memory order: values and gradients of the plain expression, eps a number or a
-    per-row tensor; the guard turns an underflowed row into 0."""
+def test_division_by_the_denominator_has_the_plain_values_and_gradients(eps_kind):
+    """numerator / (denominator + eps), written in the heads-merged memory order: values and gradients of the
+    plain expression, eps a number or a per-row tensor; the guard turns an underflowed row into 0."""
     torch.manual_seed(0)
-    out = torch.randn(2, 3, 5, 5, dtype=torch.float64)
-    out[..., -1] = out[..., -1].abs() + 0.5
+    numerator = torch.randn(2, 3, 5, 4, dtype=torch.float64)
+    denominator = torch.rand(2, 3, 5, 1, dtype=torch.float64) + 0.5
     eps = 1e-3 if eps_kind == "number" else torch.rand(2, 3, 5, 1, dtype=torch.float64, requires_grad=True)
     guard = nonzero if eps_kind == "guarded" else None
     if guard:
-        out[0, 0, 0, -1] = 1e-320  # a row whose denominator underflowed
+        denominator[0, 0, 0] = 1e-320  # a row whose denominator underflowed
         eps = eps.detach().clone()
         eps[0, 0, 0] = 0.0
         eps.requires_grad_()
-    out.requires_grad_()
-    numerator, given = (out, None) if folded else (out[..., :-1], out[..., -1:])
-    got = DivideByDenominator.apply(numerator, given, eps, guard)
-    denominator = out[..., -1:] + eps
-    expected = out[..., :-1] / (guard(denominator) if guard else denominator)
+    numerator.requires_grad_()
+    denominator.requires_grad_()
+    got = DivideByDenominator.apply(numerator, denominator, eps, guard)
+    total = denominator + eps
+    expected = numerator / (guard(total) if guard else total)
     torch.testing.assert_close(got, expected)
     assert got.transpose(1, 2).is_contiguous()  # heads merge with a view
     with torch.no_grad():  # without autograd (decoding): the same division, no Function
-        torch.testing.assert_close(DivideByDenominator.divide(numerator, given, eps, guard), expected)
+        torch.testing.assert_close(DivideByDenominator.divide(numerator, denominator, eps, guard), expected)
     if guard:
         assert torch.all(got[0, 0, 0] == 0)
-    inputs = [x for x in (out, eps) if isinstance(x, torch.Tensor)]
+    inputs = [x for x in (numerator, denominator, eps) if isinstance(x, torch.Tensor)]
     grad = torch.randn_like(got)
     for g, w in zip(torch.autograd.grad(got, inputs, grad), torch.autograd.grad(expected, inputs, grad)):
         torch.testing.assert_close(g, w)

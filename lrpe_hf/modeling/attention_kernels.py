@@ -16,28 +16,70 @@ import torch
 from torch.nn import functional as F
 
 
-def bidirectional_linear_attention(q, k, v, documents=None):
-    """q, k (B, H, N, m); v (B, H, N, dv); documents (B, N) long document index per token, or None."""
+def bidirectional_linear_attention(q, k, v, documents=None, with_denominator=False):
+    """q, k (B, H, N, m); v (B, H, N, dv); documents (B, N) long document index per token, or None. Returns out
+    (B, H, N, dv) and, ``with_denominator``, the denominator sum_t q_s . k_t (B, H, N, 1), else None."""
     if documents is None:
-        return q @ (k.transpose(-1, -2) @ v)
+        out = q @ (k.transpose(-1, -2) @ v)
+        return out, (q @ k.sum(-2).unsqueeze(-1)) if with_denominator else None
+    if with_denominator:
+        out, _ = bidirectional_linear_attention(q, k, torch.cat([v, torch.ones_like(v[..., :1])], dim=-1), documents)
+        return out[..., :-1], out[..., -1:]
     first = documents[:, :1]
     one_hot = F.one_hot(documents - first, int((documents - first).max()) + 1).to(k.dtype)  # (B, N, D)
     per_document = torch.einsum("bnd,bhnm,bhne->bhdme", one_hot, k, v)  # (B, H, D, m, dv)
     out = q[:, :, None] @ per_document  # (B, H, D, N, dv)
-    return torch.einsum("bhdne,bnd->bhne", out, one_hot)
+    return torch.einsum("bhdne,bnd->bhne", out, one_hot), None
 
 
-def heads_per_block(num_heads: int, num_chunks: int, chunk_size: int, budget: int = 1 << 20) -> int:
+BLOCK_ELEMENTS = 1 << 20  # the C x C scores of one block of the chunked products: 4 MB in float32
+
+
+def heads_per_block(num_heads: int, num_chunks: int, chunk_size: int) -> int:
     """How many heads the chunked products handle at once: as many as keep one block's C x C scores within
-    ``budget`` elements (4 MB in float32). Small blocks stay in the CPU's caches and in the allocator's reused
-    memory; a full-size temporary costs a fresh allocation (page faults) and a trip through main memory."""
-    return max(1, min(num_heads, budget // (num_chunks * chunk_size * chunk_size)))
+    ``BLOCK_ELEMENTS``. Small blocks stay in the CPU's caches and in the allocator's reused memory; a full-size
+    temporary costs a fresh allocation (page faults) and a trip through main memory."""
+    return max(1, min(num_heads, BLOCK_ELEMENTS // (num_chunks * chunk_size * chunk_size)))
 
 
 def head_blocks(num_heads: int, num_chunks: int, chunk_size: int):
     """The slices of consecutive heads, ``heads_per_block`` at a time, that cover ``num_heads``."""
     step = heads_per_block(num_heads, num_chunks, chunk_size)
     return [slice(start, start + step) for start in range(0, num_heads, step)]
+
+
+def batch_head_blocks(batch_size: int, num_heads: int, num_chunks: int, chunk_size: int):
+    """(rows, heads) slices that cover a (B, H) grid in blocks within ``BLOCK_ELEMENTS``: every row and some heads,
+    or one head and some rows. Either way the block of a tensor stored heads-first (``heads_first``) is
+    contiguous."""
+    heads = heads_per_block(num_heads, batch_size * num_chunks, chunk_size)
+    rows = batch_size if heads > 1 else heads_per_block(batch_size, num_chunks, chunk_size)
+    return [
+        (slice(row, row + rows), slice(head, head + heads))
+        for head in range(0, num_heads, heads)
+        for row in range(0, batch_size, rows)
+    ]
+
+
+def heads_first(batch_size: int, num_heads: int, num_tokens: int, width: int, like, dtype=None):
+    """A new (B, H, N, width) tensor stored as (H, B, N, width), where every block of ``batch_head_blocks`` is
+    contiguous."""
+    return like.new_empty(num_heads, batch_size, num_tokens, width, dtype=dtype).transpose(0, 1)
+
+
+def block_of(x, rows, heads):
+    """x[rows, heads] (b, h, ...) as (h, b, ...): the order in which a block's chunks are stacked."""
+    return x[rows, heads].transpose(0, 1)
+
+
+def chunks_of(x, rows, heads, chunk_size: int, dtype):
+    """The block (rows, heads) of x (B, H, N, w) as contiguous chunks (h * b * nc, C, w) in ``dtype``: a view when
+    x is laid out so already, otherwise one copy of the block (a few MB, in reused memory)."""
+    block = block_of(x, rows, heads)
+    if block.dtype == dtype and block.is_contiguous():
+        return block.view(-1, chunk_size, block.shape[-1])
+    chunks = block.to(dtype=dtype, memory_format=torch.contiguous_format, copy=True)
+    return chunks.view(-1, chunk_size, block.shape[-1])
 
 
 def add_state_products(target, left, states, initial, num_chunks):
@@ -76,75 +118,129 @@ def running_sum_(x: torch.Tensor, block: int = 16) -> torch.Tensor:
     return x
 
 
-class ChunkedCausalProduct(torch.autograd.Function):
-    """The ungated causal product in chunks: out_s = q_s S_0 + sum_{t<=s} (q_s . k_t) v_t and the final state
-    S_0 + sum_t k_t v_t^T. Blocks of heads at a time (``heads_per_block``), so the C x C scores and the per-chunk
-    states are never materialised for the whole input. Backward recomputes the scores and the states instead
-    of saving them: only q, k and v are saved.
+def running_states(chunk_states, start, num_chunks):
+    """The inclusive state after each chunk, start + sum_{c' <= c} chunk_states[c'], in place: chunk_states
+    (heads * nc, m, w), start (heads, m, w) or None."""
+    if start is not None:
+        chunk_states[::num_chunks] += start
+    running_sum_(chunk_states.view(-1, num_chunks, *chunk_states.shape[1:]))
+    return chunk_states
 
-    q, k (G, nc, C, m) and v (G, nc, C, dv) contiguous, G = B * H; initial (G, m, dv) or None.
-    Returns out (G, nc, C, dv) and the final state (G, m, dv).
+
+def later_states(left, grad, grad_final, num_chunks):
+    """The gradient of each chunk's own state (k_c^T v_c): sum_{c' > c} left_c'^T grad_c', plus the final state's
+    gradient; and the initial state's gradient (the sum over every chunk). left (heads * nc, C, m), grad
+    (heads * nc, C, w), grad_final (heads, m, w) or None. Returns (heads * nc, m, w) and (heads, m, w)."""
+    m, w = left.shape[-1], grad.shape[-1]
+    later = running_sum_(torch.bmm(left.transpose(1, 2), grad).view(-1, num_chunks, m, w))
+    total = later[:, -1].clone()
+    if grad_final is not None:
+        total += grad_final
+    later.neg_().add_(total[:, None])  # the total minus the sum up to c
+    return later.view(-1, m, w), total
+
+
+class ChunkedCausalProduct(torch.autograd.Function):
+    """The ungated causal product in chunks: out_s = q_s S_0 + sum_{t<=s} (q_s . k_t) v_t, the final state
+    S_0 + sum_t k_t v_t^T and, ``with_denominator``, the denominator q_s . (z_0 + sum_{t<=s} k_t): what a ones
+    column appended to v would give, without widening every product to dv + 1 (a width of 65 ran them at half
+    the speed of 64). Blocks of rows and heads at a time (``batch_head_blocks``), each copied to contiguous chunks
+    where it is not so already: neither a copy of the inputs, nor the C x C scores, nor the per-chunk states are
+    ever made for the whole input. Backward recomputes the scores and the states: only q, k and v are saved.
+
+    q, k (B, H, N, m) and v (B, H, N, dv) in any memory layout, N a multiple of C; initial (B, H, m, dv') or None,
+    dv' = dv + 1 with the denominator (the last column holds z_0), dv otherwise; ``dtype``: the dtype of every
+    product. Returns out (B, H, N, dv), the denominator (B, H, N, 1) or None, and the final state (B, H, m, dv'),
+    all stored heads-first.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, initial):
-        G, nc, C, m = q.shape
-        dv = v.shape[-1]
-        out = v.new_empty(G, nc, C, dv)
-        final = v.new_empty(G, m, dv)
-        for heads in head_blocks(G, nc, C):
-            qf, kf, vf = (x[heads].view(-1, C, x.shape[-1]) for x in (q, k, v))
-            start = initial[heads].to(v.dtype) if initial is not None else None
-            states = ChunkedCausalProduct.running_states(kf, vf, start, nc)
-            final[heads] = states.view(-1, nc, m, dv)[:, -1]
-            out_block = out[heads].view(-1, C, dv)
-            torch.bmm(torch.bmm(qf, kf.transpose(1, 2)).tril_(), vf, out=out_block)
-            add_state_products(out_block, qf, states, start, nc)
-        ctx.save_for_backward(q, k, v, initial)
-        return out, final
-
-    @staticmethod
-    def running_states(kf, vf, start, num_chunks):
-        """The inclusive state after each chunk, start + sum_{c' <= c} k_c'^T v_c': (heads * nc, m, dv)."""
-        states = torch.bmm(kf.transpose(1, 2), vf)
-        if start is not None:
-            states[::num_chunks] += start
-        blocked = states.view(-1, num_chunks, *states.shape[1:])
-        running_sum_(blocked)
-        return states
-
-    @staticmethod
-    def backward(ctx, grad_out, grad_final):
-        q, k, v, initial = ctx.saved_tensors
-        G, nc, C, m = q.shape
-        dv = v.shape[-1]
-        grad_out = grad_out.contiguous()
-        grad_q, grad_k, grad_v = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        grad_initial = v.new_empty(G, m, dv) if initial is not None else None
-        for heads in head_blocks(G, nc, C):
-            qf, kf, vf, go = (x[heads].view(-1, C, x.shape[-1]) for x in (q, k, v, grad_out))
-            start = initial[heads].to(v.dtype) if initial is not None else None
-            states = ChunkedCausalProduct.running_states(kf, vf, start, nc)
-            # kv_c reaches every later chunk's queries and the final state: its gradient is the sum of
-            # q_c'^T go_c' over c' > c, plus grad_final; written as the total minus the prefix sum up to c
-            later = running_sum_(torch.bmm(qf.transpose(1, 2), go).view(-1, nc, m, dv))
-            total = later[:, -1].clone()
-            if grad_final is not None:
-                total += grad_final[heads]
-            later.neg_().add_(total[:, None])
-            if grad_initial is not None:
-                grad_initial[heads] = total
-            later = later.view(-1, m, dv)
-            grad_scores = torch.bmm(go, vf.transpose(1, 2)).tril_()
+    def forward(ctx, q, k, v, initial, chunk_size, with_denominator, dtype):
+        B, H, N, m = q.shape
+        C, nc, dv = chunk_size, N // chunk_size, v.shape[-1]
+        out = heads_first(B, H, N, dv, v, dtype)
+        denominator = heads_first(B, H, N, 1, v, dtype) if with_denominator else None
+        final = heads_first(B, H, m, dv + with_denominator, v, dtype)
+        for rows, heads in batch_head_blocks(B, H, nc, C):
+            qf, kf, vf = (chunks_of(x, rows, heads, C, dtype) for x in (q, k, v))
+            start, start_keys = ChunkedCausalProduct.initial_block(initial, rows, heads, dv, dtype)
+            kv = running_states(torch.bmm(kf.transpose(1, 2), vf), start, nc)
             scores = torch.bmm(qf, kf.transpose(1, 2)).tril_()
-            dq = grad_q[heads].view(-1, C, m)
+            out_block = block_of(out, rows, heads).view(-1, C, dv)
+            torch.bmm(scores, vf, out=out_block)
+            add_state_products(out_block, qf, kv, start, nc)
+            final_block = block_of(final, rows, heads).view(-1, m, dv + with_denominator)
+            final_block[..., :dv] = kv.view(-1, nc, m, dv)[:, -1]
+            if with_denominator:
+                key_sums = running_states(kf.sum(1).unsqueeze(-1), start_keys, nc)  # (rows, m, 1)
+                denominator_block = block_of(denominator, rows, heads).view(-1, C, 1)
+                torch.sum(scores, -1, keepdim=True, out=denominator_block)
+                add_state_products(denominator_block, qf, key_sums, start_keys, nc)
+                final_block[..., dv:] = key_sums.view(-1, nc, m, 1)[:, -1]
+        ctx.save_for_backward(q, k, v, initial)
+        ctx.chunk_size, ctx.with_denominator, ctx.dtype = chunk_size, with_denominator, dtype
+        return out, denominator, final
+
+    @staticmethod
+    def initial_block(state, rows, heads, dv, dtype):
+        """A block of an initial state (or of its gradient) (B, H, m, dv'), split into the values' part
+        (h * b, m, dv) and the key sums' (h * b, m, 1) (None without a denominator); (None, None) for None."""
+        if state is None:
+            return None, None
+        block = block_of(state, rows, heads)
+        block = block.reshape(-1, *block.shape[-2:]).to(dtype)
+        return block[..., :dv], (block[..., dv:] if block.shape[-1] > dv else None)
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_denominator, grad_final):
+        q, k, v, initial = ctx.saved_tensors
+        C, with_denominator, dtype = ctx.chunk_size, ctx.with_denominator, ctx.dtype
+        B, H, N, m = q.shape
+        nc, dv = N // C, v.shape[-1]
+        grad_q, grad_k, grad_v = (heads_first(B, H, N, x.shape[-1], x) for x in (q, k, v))
+        grad_initial = heads_first(B, H, m, dv + with_denominator, initial) if initial is not None else None
+        for rows, heads in batch_head_blocks(B, H, nc, C):
+            qf, kf, vf, go = (chunks_of(x, rows, heads, C, dtype) for x in (q, k, v, grad_out))
+            start, start_keys = ChunkedCausalProduct.initial_block(initial, rows, heads, dv, dtype)
+            final_go, final_gd = ChunkedCausalProduct.initial_block(grad_final, rows, heads, dv, dtype)
+            kv = running_states(torch.bmm(kf.transpose(1, 2), vf), start, nc)
+            later, total = later_states(qf, go, final_go, nc)
+            scores = torch.bmm(qf, kf.transpose(1, 2)).tril_()
+            grad_scores = torch.bmm(go, vf.transpose(1, 2))
+            if with_denominator:  # the denominator's gradient reaches every visible score of its row
+                gd = chunks_of(grad_denominator, rows, heads, C, dtype)
+                grad_scores += gd
+            grad_scores.tril_()
+            dq = ChunkedCausalProduct.target(grad_q, rows, heads, C, dtype)
             torch.bmm(grad_scores, kf, out=dq)
-            add_state_products(dq, go, states.transpose(1, 2), None if start is None else start.transpose(1, 2), nc)
-            torch.bmm(grad_scores.transpose(1, 2), qf, out=grad_k[heads].view(-1, C, m)).baddbmm_(
-                vf, later.transpose(1, 2)
-            )
-            torch.bmm(scores.transpose(1, 2), go, out=grad_v[heads].view(-1, C, dv)).baddbmm_(kf, later)
-        return grad_q, grad_k, grad_v, grad_initial
+            add_state_products(dq, go, kv.transpose(1, 2), None if start is None else start.transpose(1, 2), nc)
+            dk = ChunkedCausalProduct.target(grad_k, rows, heads, C, dtype)
+            torch.bmm(grad_scores.transpose(1, 2), qf, out=dk).baddbmm_(vf, later.transpose(1, 2))
+            dv_block = ChunkedCausalProduct.target(grad_v, rows, heads, C, dtype)
+            torch.bmm(scores.transpose(1, 2), go, out=dv_block).baddbmm_(kf, later)
+            if with_denominator:
+                key_sums = running_states(kf.sum(1).unsqueeze(-1), start_keys, nc)
+                later_keys, total_keys = later_states(qf, gd, final_gd, nc)
+                key_start = None if start_keys is None else start_keys.transpose(1, 2)
+                add_state_products(dq, gd, key_sums.transpose(1, 2), key_start, nc)
+                dk += later_keys.transpose(1, 2)  # every key of chunk c adds to the key sums after it
+                total = torch.cat([total, total_keys], dim=-1)
+            if grad_initial is not None:
+                block_of(grad_initial, rows, heads).copy_(total.view(block_of(grad_initial, rows, heads).shape))
+            for grad, computed in ((grad_q, dq), (grad_k, dk), (grad_v, dv_block)):
+                target = block_of(grad, rows, heads)
+                if computed.data_ptr() != target.data_ptr():  # computed in the products' dtype
+                    target.copy_(computed.view(target.shape))
+        return grad_q, grad_k, grad_v, grad_initial, None, None, None
+
+    @staticmethod
+    def target(grad, rows, heads, chunk_size, dtype):
+        """Where a block's gradient is computed: its place in ``grad`` (C rows at a time), or a temporary when
+        the products run in another dtype."""
+        block = block_of(grad, rows, heads)
+        if block.dtype == dtype:
+            return block.view(-1, chunk_size, block.shape[-1])
+        return block.new_empty(block.shape, dtype=dtype).view(-1, chunk_size, block.shape[-1])
 
 
 def default_chunk_size(num_tokens: int) -> int:
@@ -152,44 +248,65 @@ def default_chunk_size(num_tokens: int) -> int:
     return 64
 
 
-def causal_linear_attention(q, k, v, log_gates=None, initial_state=None, chunk_size: int | None = None, resets=None):
-    """q, k (B, H, N, m); v (B, H, N, dv); log_gates (B, H, N) or None; initial_state (B, H, m, dv) or None;
-    chunk_size None picks ``default_chunk_size(N)``; resets (B, N) bool or None.
+def causal_linear_attention(
+    q, k, v, log_gates=None, initial_state=None, chunk_size: int | None = None, resets=None, with_denominator=False
+):
+    """q, k (B, H, N, m); v (B, H, N, dv); log_gates (B, H, N) or None; initial_state (B, H, m, dv') or None;
+    chunk_size None picks ``default_chunk_size(N)``; resets (B, N) bool or None; ``with_denominator``: also the
+    denominator sum_{t<=s} exp(G_s - G_t) q_s . k_t, what a ones column appended to v would give.
 
-    Returns out (B, H, N, dv) and the final state sum_t exp(G_N - G_t) k_t v_t^T (over the last document)
-    (B, H, m, dv), the state of a recurrent formulation, so a later call can continue where this one stopped.
+    Returns out (B, H, N, dv), the denominator (B, H, N, 1) or None, and the final state
+    sum_t exp(G_N - G_t) k_t v_t^T (over the last document) (B, H, m, dv'), the state of a recurrent formulation,
+    so a later call can continue where this one stopped; dv' = dv + 1 with the denominator (its last column is
+    the state of the key sum), dv otherwise.
     """
     B, H, N, m = q.shape
-    dv = v.shape[-1]
     C = max(1, min(chunk_size or default_chunk_size(N), N))
     if resets is not None and log_gates is None:
         log_gates = q.new_zeros(B, H, N, dtype=torch.promote_types(q.dtype, torch.float32))
-    if N == 1:  # one decoding step, in its recurrent form: S = exp(g) S_0 + k^T v (no S_0 after a reset), out = q S
-        state = k.transpose(-1, -2) @ v
-        if initial_state is not None:
-            previous = initial_state.to(state.dtype)
-            if log_gates is not None:
-                keep = log_gates.exp() if resets is None else log_gates.exp().masked_fill(resets[:, None], 0.0)
-                previous = previous * keep[..., None].to(state.dtype)
-            state = state + previous
-        return q @ state, state
-    pad = (-N) % C
-    if pad:
-        q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
-        if log_gates is not None:
-            log_gates = F.pad(log_gates, (0, pad))
-        if resets is not None:
-            resets = F.pad(resets, (0, pad))
-    num_chunks = (N + pad) // C
     device = q.device.type
     autocast = torch.is_autocast_enabled(device)
     dtype = torch.get_autocast_dtype(device) if autocast else torch.promote_types(q.dtype, v.dtype)
-    if log_gates is None:
-        chunks = [x.to(dtype).contiguous().view(B * H, num_chunks, C, x.shape[-1]) for x in (q, k, v)]  # one copy
-        initial = initial_state.reshape(B * H, m, dv) if initial_state is not None else None
+    pad = (-N) % C
+    if pad and N > 1:
+        q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+        log_gates = F.pad(log_gates, (0, pad)) if log_gates is not None else None
+        resets = F.pad(resets, (0, pad)) if resets is not None else None
+    if log_gates is None and N > 1:
         with torch.autocast(device, enabled=False):  # the function computes in one dtype, forward and backward
-            out, final = ChunkedCausalProduct.apply(*chunks, initial)
-        return out.view(B, H, num_chunks * C, dv)[:, :, :N], final.view(B, H, m, dv)
+            out, denominator, final = ChunkedCausalProduct.apply(q, k, v, initial_state, C, with_denominator, dtype)
+        return out[:, :, :N], None if denominator is None else denominator[:, :, :N], final
+    if with_denominator:  # a ones column: these paths' products are per chunk or per token, not the bulk
+        v = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
+    if N == 1:
+        out, final = recurrent_step(q, k, v, log_gates, initial_state, resets)
+    else:
+        out, final = gated_chunks(q, k, v, log_gates, initial_state, C, resets, dtype)
+        out = out[:, :, :N]
+    if with_denominator:
+        return out[..., :-1], out[..., -1:], final
+    return out, None, final
+
+
+def recurrent_step(q, k, v, log_gates, initial_state, resets):
+    """One decoding step, in its recurrent form: S = exp(g) S_0 + k^T v (no S_0 after a reset), out = q S.
+    q, k (B, H, 1, m); v (B, H, 1, dv); log_gates (B, H, 1) or None; initial_state (B, H, m, dv) or None."""
+    state = k.transpose(-1, -2) @ v
+    if initial_state is not None:
+        previous = initial_state.to(state.dtype)
+        if log_gates is not None:
+            keep = log_gates.exp() if resets is None else log_gates.exp().masked_fill(resets[:, None], 0.0)
+            previous = previous * keep[..., None].to(state.dtype)
+        state = state + previous
+    return q @ state, state
+
+
+def gated_chunks(q, k, v, log_gates, initial_state, C, resets, dtype):
+    """The gated causal product in chunks of C (N a multiple of C): arguments as ``causal_linear_attention``.
+    Returns out (B, H, N, dv) and the final state (B, H, m, dv)."""
+    B, H, N, m = q.shape
+    dv, num_chunks = v.shape[-1], N // C
+    device = q.device.type
     # one layout copy each (heads-first, contiguous), where every batched product below would make its own
     q, k, v = (x.to(dtype).contiguous() for x in (q, k, v))
     q = q.view(B, H, num_chunks, C, m)
@@ -221,7 +338,7 @@ def causal_linear_attention(q, k, v, log_gates=None, initial_state=None, chunk_s
     state = initial_state.to(v.dtype) if initial_state is not None else v.new_zeros(B, H, m, dv)
     with torch.autocast(device, enabled=False):
         inter, state = GatedChunkStates.apply(q, k, v, to_chunk_end, query_decay, chunk_decay, state)
-    return intra.add_(inter).reshape(B, H, num_chunks * C, dv)[:, :, :N], state  # intra: a fresh tensor
+    return intra.add_(inter).view(B, H, N, dv), state  # intra: a fresh tensor
 
 
 class GatedIntraChunkProduct(torch.autograd.Function):

@@ -63,9 +63,8 @@ class FeatureMap(Reinitialisable):
 
 
 def shifted_elu(x: torch.Tensor) -> torch.Tensor:
-    """1 + elu(x), contiguous whatever the layout of x (heads-first, as the attention products want them: the one
-    layout copy happens here)."""
-    return F.elu_(x.clone(memory_format=torch.contiguous_format)).add_(1.0)
+    """1 + elu(x), in the memory layout of x (the chunked products copy a block at a time into theirs)."""
+    return F.elu(x).add_(1.0)
 
 
 class ShiftedElu(torch.autograd.Function):
@@ -91,8 +90,8 @@ class EluFeatureMap(FeatureMap):
 
 
 def shifted_relu(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """max(x, 0) + eps, contiguous whatever the layout of x (as ``shifted_elu``)."""
-    return F.relu_(x.clone(memory_format=torch.contiguous_format)).add_(eps)
+    """max(x, 0) + eps, in the memory layout of x (as ``shifted_elu``)."""
+    return F.relu(x).add_(eps)
 
 
 class ShiftedRelu(torch.autograd.Function):

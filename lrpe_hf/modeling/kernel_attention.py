@@ -7,8 +7,8 @@ Per head, with phi the feature map and A_s, B_t the encoding's transforms of the
 summed over every t (bidirectional) or t <= s (causal); w(s, t) = exp(log_decay (p_s - p_t)) for a decaying
 encoding (PermuteFormer), 1 otherwise. ``norm_s`` is one of three normalisations:
 
-- ``denominator``: sum_t w(s, t) <A_s phi(q_s), B_t phi(k_t)> + eps (LRPE eq. 3, PermuteFormer eq. 11), folded into
-  the product as a ones column;
+- ``denominator``: sum_t w(s, t) <A_s phi(q_s), B_t phi(k_t)> + eps (LRPE eq. 3, PermuteFormer eq. 11), what a
+  ones column appended to the values gives (the products compute it alongside, without widening v);
 - ``unrotated_denominator``: sum_t w(s, t) <phi(q_s), phi(k_t)> + eps (RoFormer eq. 19);
 - ``output_norm``: no denominator; the output is normalised per head by an RMSNorm;
 - ``output_layer_norm``: no denominator; one LayerNorm (gain and bias) over all heads together, as the LRPE
@@ -46,8 +46,7 @@ def divide_rows(numerator: torch.Tensor, denominator: torch.Tensor, eps, guard=N
 
 
 class DivideByDenominator(torch.autograd.Function):
-    """``divide_rows`` for autograd, saving the result and the reciprocal only. ``denominator`` None: it is the
-    last column of ``numerator`` (B, H, N, d + 1), the ones column folded into the values."""
+    """``divide_rows`` for autograd, saving the result and the reciprocal only."""
 
     @staticmethod
     def divide(numerator, denominator, eps, guard=None):
@@ -55,15 +54,10 @@ class DivideByDenominator(torch.autograd.Function):
         inputs = (numerator, denominator, eps)
         if torch.is_grad_enabled() and any(getattr(x, "requires_grad", False) for x in inputs):
             return DivideByDenominator.apply(numerator, denominator, eps, guard)
-        if denominator is None:
-            numerator, denominator = numerator.split([numerator.shape[-1] - 1, 1], dim=-1)
         return divide_rows(numerator, denominator, eps, guard)[0]
 
     @staticmethod
     def forward(ctx, numerator, denominator, eps, guard=None):
-        ctx.folded = denominator is None
-        if ctx.folded:
-            numerator, denominator = numerator.split([numerator.shape[-1] - 1, 1], dim=-1)
         result, reciprocal = divide_rows(numerator, denominator, eps, guard)
         ctx.save_for_backward(result, reciprocal)
         ctx.eps_shape = eps.shape if isinstance(eps, torch.Tensor) else None
@@ -75,19 +69,14 @@ class DivideByDenominator(torch.autograd.Function):
         # d(n / D)/dD = -(n / D) / D: the result times the reciprocal, summed with the output's gradient
         grad_denominator = torch.linalg.vecdot(grad, result, dim=-1).unsqueeze(-1).mul_(reciprocal).neg_()
         grad_eps = grad_denominator.sum_to_size(ctx.eps_shape) if ctx.needs_input_grad[2] else None
-        if not ctx.folded:
-            return grad * reciprocal, grad_denominator, grad_eps, None
-        grad_out = grad.new_empty(*result.shape[:-1], result.shape[-1] + 1)
-        torch.mul(grad, reciprocal, out=grad_out[..., :-1])
-        grad_out[..., -1:] = grad_denominator
-        return grad_out, None, grad_eps, None
+        return grad * reciprocal, grad_denominator, grad_eps, None
 
 
 @dataclass
 class KernelAttentionState(TensorState):
-    """``kv``: sum_t w(s, t) k_t v_t^T, with a ones column appended to v for the transformed denominator
-    (B, H, m, d [+1]); ``key_sum``: the unrotated denominator's state (B, H, m', 1); ``key_max``: the running
-    key maximum of exponential feature maps (B, H)."""
+    """``kv``: sum_t w(s, t) k_t v_t^T, with the key sum sum_t w(s, t) k_t as one more column for the
+    transformed denominator (B, H, m, d [+1]); ``key_sum``: the unrotated denominator's state (B, H, m', 1);
+    ``key_max``: the running key maximum of exponential feature maps (B, H)."""
 
     kv: torch.Tensor | None = None
     key_sum: torch.Tensor | None = None
@@ -125,34 +114,29 @@ class KernelAttention(nn.Module):
         if decay is not None:
             gates = decay if gates is None else gates + decay
         tq, tk = encoding.encode_features(features.query, features.key, positions)
-        if self.normalization == "denominator":
-            ones = torch.ones_like(v[..., :1])
-            if mask is not None:
-                ones = ones * mask[:, None, :, None].to(v.dtype)
-            v = torch.cat([v, ones], dim=-1)
+        with_denominator = self.normalization == "denominator"
         if self.causal:
             previous = state.kv if state else None
-            out, kv = causal_linear_attention(tq, tk, v, gates, previous, self.chunk_size, starts)
+            out, denominator, kv = causal_linear_attention(
+                tq, tk, v, gates, previous, self.chunk_size, starts, with_denominator
+            )
         else:
-            out, kv = bidirectional_linear_attention(tq, tk, v, local_documents), None
+            out, denominator = bidirectional_linear_attention(tq, tk, v, local_documents, with_denominator)
+            kv = None
         if state is not None:
             state.kv, state.key_max = kv, features.key_max
         if self.normalization == "output_layer_norm":
             return self.layer_norm_over_heads(out, features.log_scale)
+        if self.normalization == "unrotated_denominator":
+            denominator = self.unrotated_denominator(features.query, features.key, gates, state, starts)
         if features.log_scale is None:
-            if self.normalization == "denominator":
-                return DivideByDenominator.divide(out, None, self.eps)
-            if self.normalization == "unrotated_denominator":
-                denominator = self.unrotated_denominator(features.query, features.key, gates, state, starts)
+            if denominator is not None:
                 return DivideByDenominator.divide(out, denominator, self.eps)
             return self.output_norm(out.to(self.output_norm.weight.dtype)).to(out.dtype)  # fused kernel under autocast
         # Stabilised features: eps on the unstabilised scale. A row whose every term underflowed (logits spread
         # over ~80 or more in float32) has no precision left: its output is 0 instead of noise or NaN.
         eps = self.eps * torch.exp(-features.log_scale).to(out.dtype)
-        if self.normalization == "denominator":
-            return DivideByDenominator.divide(out, None, eps, nonzero)
-        if self.normalization == "unrotated_denominator":
-            denominator = self.unrotated_denominator(features.query, features.key, gates, state, starts)
+        if denominator is not None:
             return DivideByDenominator.divide(out, denominator, eps, nonzero)
         # RMSNorm is scale-free: divide by the row's largest entry first, so that squaring cannot underflow.
         peak = out.abs().amax(-1, keepdim=True)
@@ -197,11 +181,12 @@ class KernelAttention(nn.Module):
         """<phi(q_s), sum_t w(s, t) phi(k_t)> without the positional transform (RoFormer eq. 19): (B, H, N, 1)."""
         ones = torch.ones_like(fk[..., :1])
         if not self.causal:
-            return bidirectional_linear_attention(fq, fk, ones, None if starts is None else starts.long().cumsum(-1))
+            documents = None if starts is None else starts.long().cumsum(-1)
+            return bidirectional_linear_attention(fq, fk, ones, documents)[0]
         previous = state.key_sum if state is not None else None
         # the chunked kernel, not fk.cumsum(-2): a scan along the sequence runs one serial thread per column on CUDA
         # (measured 7x the whole layer's time at 16k tokens)
-        denominator, key_sum = causal_linear_attention(fq, fk, ones, gates, previous, self.chunk_size, starts)
+        denominator, _, key_sum = causal_linear_attention(fq, fk, ones, gates, previous, self.chunk_size, starts)
         if state is not None:
             state.key_sum = key_sum
         return denominator

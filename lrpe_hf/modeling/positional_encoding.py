@@ -8,7 +8,8 @@ what it changes:
   ``shared_draw`` is the draw of the module a model shares across its layers (see ``build_shared`` in the
   registry), or None.
 - ``encode_features(q, k, positions)``: after the feature map, the same transform for queries and keys
-  (rope, lrpe_*, permute). (B,H,N,m) -> (B,H,N,m'); position tables built once for both.
+  (rope, lrpe_*, permute). (B,H,N,m) -> (B,H,N,m'); position tables built once for both. It must be linear in
+  the features: the features of padded keys are 0 and must stay 0, so that they add nothing to any sum.
 - ``log_decay``: a per-head log decay per unit of position, ``(H,)`` or ``None`` (PermuteFormer's causal r):
   the weight of key t at query s is multiplied by exp(log_decay (p_s - p_t)).
 - ``value_bias(values, key_positions, query_positions, causal, key_documents, query_documents)``: an additive
