@@ -4,7 +4,12 @@ import pytest
 import torch
 
 from lrpe_hf.modeling import attention_kernels
-from lrpe_hf.modeling.attention_kernels import bidirectional_linear_attention, causal_linear_attention
+from lrpe_hf.modeling.attention_kernels import (
+    bidirectional_linear_attention,
+    causal_key_sums,
+    causal_linear_attention,
+    chunk_prefix_sums,
+)
 from lrpe_hf.modeling.feature_maps import EluFeatureMap, ReluFeatureMap
 from lrpe_hf.modeling.kernel_attention import DivideByDenominator, nonzero
 from lrpe_hf.modeling.transformer_layer import MLP
@@ -100,6 +105,43 @@ def check_causal_against_quadratic(
         expected = torch.autograd.grad(expected_loss, inputs, retain_graph=True)
         for got, want in zip(grads, expected):
             torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_chunk_prefix_sums_equal_cumsum(reverse):
+    x = torch.randn(3, 24, 5, dtype=torch.float64)
+    expected = x.flip(1).cumsum(1).flip(1) if reverse else x.cumsum(1)
+    torch.testing.assert_close(chunk_prefix_sums(x, 4, reverse), expected)
+
+
+@pytest.mark.parametrize(
+    "num_tokens, chunk_size, block_elements", [(29, 4, 128), (29, 4, 1 << 20), (29, 64, 1 << 20), (1, 64, 1 << 20)]
+)
+@pytest.mark.parametrize("with_initial", [False, True])
+def test_causal_key_sums_equal_the_explicit_denominator(
+    num_tokens, chunk_size, block_elements, with_initial, monkeypatch
+):
+    """q_s . (z_0 + sum_{t<=s} k_t) and z_0 + sum_t k_t, from tokens-first inputs, against the explicit masked
+    N x N sum: values and the gradients of q, k and z_0, the final sum receiving a gradient of its own; in one
+    block, and in blocks of one head and one row."""
+    monkeypatch.setattr(attention_kernels, "BLOCK_ELEMENTS", block_elements)
+    torch.manual_seed(0)
+    B, H, N, m = 2, 3, num_tokens, 5
+    leaves = [torch.rand(B, N, H, m, dtype=torch.float64, requires_grad=True) for _ in range(2)]
+    q, k = (x.transpose(1, 2) for x in leaves)
+    initial = torch.rand(B, H, m, 1, dtype=torch.float64, requires_grad=True) if with_initial else None
+    got, final = causal_key_sums(q, k, initial, chunk_size)
+    start = initial if with_initial else torch.zeros(B, H, m, 1, dtype=torch.float64)
+    expected = (q @ k.transpose(-1, -2)).tril().sum(-1, keepdim=True) + q @ start
+    expected_final = k.sum(2).unsqueeze(-1) + start
+    torch.testing.assert_close(got, expected)
+    torch.testing.assert_close(final, expected_final)
+    inputs = [*leaves, initial] if with_initial else leaves
+    grad, grad_final = torch.randn_like(got), torch.randn_like(final)
+    loss = (got * grad).sum() + (final * grad_final).sum()
+    expected_loss = (expected * grad).sum() + (expected_final * grad_final).sum()
+    for g, w in zip(torch.autograd.grad(loss, inputs), torch.autograd.grad(expected_loss, inputs)):
+        torch.testing.assert_close(g, w)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
