@@ -22,7 +22,7 @@ import csv
 from pathlib import Path
 
 import torch
-from measure import in_child, peak_memory_mb, resident_mb, timed, timed_alternately
+from measure import allocator_note, in_child, peak_memory_mb, resident_mb, timed, timed_alternately
 from torch.nn import functional as F
 
 import lrpe_hf
@@ -97,6 +97,8 @@ def main():
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     print(f"device: {args.device}, torch {torch.__version__}, threads {torch.get_num_threads()}")
+    if args.device == "cpu":
+        print(allocator_note())
 
     rows = []
     for tokens in args.lengths:

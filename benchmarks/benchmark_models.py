@@ -20,7 +20,7 @@ import csv
 from pathlib import Path
 
 import torch
-from measure import high_water_mark_mb, in_child, peak_memory_mb, resident_mb, timed
+from measure import allocator_note, high_water_mark_mb, in_child, peak_memory_mb, resident_mb, timed
 from transformers import AutoModelForCausalLM, GPT2Config
 
 from lrpe_hf import LinearAttentionCache, LinearGPTConfig, LinearGPTForCausalLM
@@ -124,6 +124,8 @@ def main():
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     names = ["gpt2-sdpa"] + args.encodings
+    if args.device == "cpu":
+        print(allocator_note(), flush=True)
     rows = []
     for tokens in args.lengths:
         for name in names:
@@ -163,7 +165,7 @@ def main():
             for k in ("seconds", "tokens_per_s", "peak_mb", "vm_hwm_mb", "ms_per_token")
         ]
         lines.append("| " + " | ".join(cells) + " |")
-    report = lines + [""] + summary(rows, args.encodings)
+    report = lines + [""] + ([allocator_note(), ""] if args.device == "cpu" else []) + summary(rows, args.encodings)
     (args.out / "models.md").write_text("\n".join(report) + "\n")
     plot(rows, args.out)
     print("\n".join(summary(rows, args.encodings)))

@@ -32,6 +32,15 @@ def timed_alternately(fns, device, reps):
     return [1000 * statistics.median(fn_times) for fn_times in times]
 
 
+def allocator_note() -> str:
+    """Which CPU allocation setting this run had: PyTorch's ``THP_MEM_ALLOC_ENABLE`` (read once, at the first
+    allocation) puts tensors of 2 MB or more on transparent huge pages, which changes both the page-fault cost of
+    fresh tensors and how much freed memory glibc's heap keeps resident."""
+    if os.environ.get("THP_MEM_ALLOC_ENABLE", "0") not in ("0", ""):
+        return "CPU allocator: THP_MEM_ALLOC_ENABLE=1 (tensors of 2 MB or more on transparent huge pages)"
+    return "CPU allocator: default (THP_MEM_ALLOC_ENABLE unset)"
+
+
 def resident_mb():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
