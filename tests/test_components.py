@@ -10,7 +10,7 @@ from lrpe_hf import LearnedPositionEmbedding, SinusoidalPositionEmbedding
 from lrpe_hf.modeling.feature_maps import PerformerFeatureMap
 from lrpe_hf.modeling.positional_fastrpb import FastRelativePositionBias
 from lrpe_hf.modeling.positional_permute import CyclicPermutations
-from lrpe_hf.modeling.positional_spe import ConvSPECodes, SineSPECodes
+from lrpe_hf.modeling.positional_spe import ConvSPECodes, SineSPECodes, TableMixing
 
 
 # ---------------------------------------------------------------- FastRPB
@@ -112,6 +112,25 @@ def test_spe_monte_carlo_kernel_converges_as_realizations_grow(variant):
         errors.append(spe_monte_carlo_error(codes, R))
     assert errors[0] > errors[1] > errors[2]
     assert errors[2] < 0.05
+
+
+@pytest.mark.parametrize("table_rows", [1, 2])
+def test_sine_spe_table_mixing_in_blocks_has_the_plain_values_and_gradients(table_rows, monkeypatch):
+    """sum_{d,j} x_d table_dj M_(dj)r in blocks of 16 tokens (41 tokens: two full blocks and a ragged one), the
+    table shared by the batch or one per row: values and every gradient of the written-out product."""
+    monkeypatch.setattr(TableMixing, "BLOCK_ELEMENTS", 1)
+    torch.manual_seed(0)
+    B, H, N, D, J, R = 2, 3, 41, 4, 6, 5
+    x = torch.randn(B, H, N, D, dtype=torch.float64, requires_grad=True)
+    table = torch.randn(table_rows, H, N, D, J, dtype=torch.float64, requires_grad=True)
+    mixing = torch.randn(H, D * J, R, dtype=torch.float64, requires_grad=True)
+    got = TableMixing.apply(x, table, mixing)
+    expected = torch.einsum("bhnd,bhndj,hdjr->bhnr", x, table.expand(B, -1, -1, -1, -1), mixing.view(H, D, J, R))
+    torch.testing.assert_close(got, expected)
+    grad = torch.randn_like(got)
+    inputs = (x, table, mixing)
+    for g, w in zip(torch.autograd.grad(got, inputs, grad), torch.autograd.grad(expected, inputs, grad)):
+        torch.testing.assert_close(g, w)
 
 
 def test_spe_draws_are_random_in_training_and_repeatable_in_eval():

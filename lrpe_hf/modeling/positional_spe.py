@@ -222,13 +222,59 @@ class SineSPECodes(SPECodes):
         return torch.stack([scale * cos_part, scale * sin_part], dim=2).reshape(H, D * 2 * K, R).to(dtype)
 
     def encode(self, x, positions, draw, gate, is_query):
-        B, H, N, D = x.shape
         table = self.position_table(positions, draw).to(x.dtype)  # (B', H, N, D, 2K)
-        mixed = (x[..., None] * table.view(table.shape[0], H, N, D, -1)).reshape(B, H, N, -1)
-        out = mixed @ self.mixing_matrix(draw, gate, is_query, x.dtype)[None]
+        out = TableMixing.apply(x, table, self.mixing_matrix(draw, gate, is_query, x.dtype))
         if gate is not None:
             out = out + (x * gate.sqrt().to(x.dtype)[None, :, None]) @ self.gate_noise(draw).to(x.dtype)[None]
         return self._normalise(out)
+
+
+class TableMixing(torch.autograd.Function):
+    """sum_{d, j} x_d table_dj M_(dj)r: x (B, H, N, D), table (B', H, N, D, J) with B' 1 or B, M (H, D * J, R) ->
+    (B, H, N, R). A block of tokens at a time, so that the products x_d table_dj ((N, D * J) per head, 20 times
+    the size of x for sineSPE's defaults) are never made for the whole input, nor saved: backward recomputes
+    them block by block."""
+
+    BLOCK_ELEMENTS = 1 << 21  # elements of one block's products (8 MB in float32)
+
+    @staticmethod
+    def blocks(x, table):
+        B, H, N, D = x.shape
+        step = max(16, TableMixing.BLOCK_ELEMENTS // (B * H * D * table.shape[-1]))
+        return [slice(start, start + step) for start in range(0, N, step)]
+
+    @staticmethod
+    def products(x, table, tokens):
+        """x_d table_dj for a block of tokens: (B, H, T, D * J)."""
+        return (x[:, :, tokens, :, None] * table[:, :, tokens]).flatten(-2)
+
+    @staticmethod
+    def forward(ctx, x, table, mixing):
+        out = x.new_empty(*x.shape[:-1], mixing.shape[-1])
+        for tokens in TableMixing.blocks(x, table):
+            out[:, :, tokens] = TableMixing.products(x, table, tokens) @ mixing
+        ctx.save_for_backward(x, table, mixing)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, table, mixing = ctx.saved_tensors
+        B, H, N, D = x.shape
+        grad_x = torch.empty_like(x)
+        grad_table = torch.empty_like(table) if ctx.needs_input_grad[1] else None
+        grad_mixing = torch.zeros_like(mixing) if ctx.needs_input_grad[2] else None
+        for tokens in TableMixing.blocks(x, table):
+            g = grad[:, :, tokens]
+            grad_products = (g @ mixing.transpose(-1, -2)).unflatten(-1, (D, -1))  # (B, H, T, D, J)
+            grad_x[:, :, tokens] = (grad_products * table[:, :, tokens]).sum(-1)
+            if grad_table is not None:
+                if table.shape[0] == B:
+                    torch.mul(grad_products, x[:, :, tokens, :, None], out=grad_table[:, :, tokens])
+                else:  # one table for the batch: its gradient sums over the rows
+                    grad_table[:, :, tokens] = (grad_products * x[:, :, tokens, :, None]).sum(0, keepdim=True)
+            if grad_mixing is not None:
+                grad_mixing += (TableMixing.products(x, table, tokens).transpose(-1, -2) @ g).sum(0)
+        return grad_x, grad_table, grad_mixing
 
 
 class ConvSPECodes(SPECodes):
