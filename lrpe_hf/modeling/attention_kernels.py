@@ -372,8 +372,8 @@ def causal_linear_attention(
     else:
         out, final = gated_chunks(q, k, v, log_gates, initial_state, C, resets, dtype)
         out = out[:, :, :N]
-    if with_denominator:
-        return out[..., :-1], out[..., -1:], final
+    if with_denominator:  # one split: its backward joins the two gradients, where slices would each fill a zero one
+        return *out.split([out.shape[-1] - 1, 1], dim=-1), final
     return out, None, final
 
 
@@ -500,27 +500,53 @@ class GatedChunkStates(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, a, b, L, initial):
-        previous, final = GatedChunkStates.states(k, v, a, L, initial)
+        out = v.new_empty(*q.shape[:-1], v.shape[-1])
+        final = torch.empty_like(initial)
+        for heads in GatedChunkStates.head_slices(q):
+            qb, kb, vb, ab, bb, Lb = (x[:, heads] for x in (q, k, v, a, b, L))
+            previous, final[:, heads] = GatedChunkStates.states(kb, vb, ab, Lb, initial[:, heads])
+            out[:, heads] = (qb * bb.exp().to(q.dtype)[..., None]) @ previous
         ctx.save_for_backward(q, k, v, a, b, L, initial)
-        return (q * b.exp().to(q.dtype)[..., None]) @ previous, final
+        return out, final
+
+    @staticmethod
+    def head_slices(q):
+        """Blocks of heads whose per-chunk states stay near ``BLOCK_ELEMENTS`` (as the chunked products' scores):
+        at 32k tokens a whole-input state tensor is 68 MB, past glibc's largest reused block, so every one of them
+        would be freshly mapped and page-faulted."""
+        B, H, nc, C, _ = q.shape
+        return head_blocks(H, B * nc, C)
 
     @staticmethod
     def states(k, v, a, L, initial):
-        """The state before each chunk (B, H, nc, m, dv) and the final state."""
+        """The state before each chunk (B, h, nc, m, dv) and the final state."""
         chunk_kv = (k * a.exp().to(k.dtype)[..., None]).transpose(-1, -2) @ v
         return states_before_chunks(L, chunk_kv, initial)
 
     @staticmethod
     def backward(ctx, grad_out, grad_final):
         q, k, v, a, b, L, initial = ctx.saved_tensors
+        grads = [torch.empty_like(x) for x in (q, k, v, a, b, L, initial)]
+        final_grad = grad_final if grad_final is not None else torch.zeros_like(initial)
+        for heads in GatedChunkStates.head_slices(q):
+            qb, kb, vb, ab, bb, Lb, go = (x[:, heads] for x in (q, k, v, a, b, L, grad_out))
+            block_grads = GatedChunkStates.block_backward(
+                qb, kb, vb, ab, bb, Lb, initial[:, heads], go, final_grad[:, heads]
+            )
+            for grad, block_grad in zip(grads, block_grads):
+                grad[:, heads] = block_grad
+        return tuple(grads)
+
+    @staticmethod
+    def block_backward(q, k, v, a, b, L, initial, grad_out, grad_final):
+        """The gradients of q, k, v, a, b, L and initial for one block of heads."""
         previous, _ = GatedChunkStates.states(k, v, a, L, initial)
         query_weight = b.exp().to(q.dtype)[..., None]
         grad_q = (grad_out @ previous.transpose(-1, -2)) * query_weight
         grad_b = (grad_q * q).sum(-1).to(b.dtype)
         # g_c, the gradient of S_c: the same recurrence run from the last chunk back to the first
-        from_queries = (q * query_weight).transpose(-1, -2) @ grad_out  # (B, H, nc, m, dv)
-        final_grad = grad_final if grad_final is not None else torch.zeros_like(initial)
-        after, grad_initial = states_before_chunks(L.flip(-1), from_queries.flip(2), final_grad)
+        from_queries = (q * query_weight).transpose(-1, -2) @ grad_out  # (B, h, nc, m, dv)
+        after, grad_initial = states_before_chunks(L.flip(-1), from_queries.flip(2), grad_final)
         grad_chunk_kv = after.flip(2)  # g_{c+1}: what the chunk's own keys and values reach
         grad_L = (grad_chunk_kv * previous).sum((-1, -2)).to(L.dtype) * L.exp()
         key_weight = a.exp().to(k.dtype)[..., None]
