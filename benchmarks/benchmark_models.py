@@ -81,9 +81,12 @@ def train_row(name, tokens, device, reps):
     return in_child(run, device)
 
 
-def generation_row(name, context, device, batch=1, new_tokens=16):
+def generation_row(name, context, device, reps, batch=1, new_tokens=16):
+    """Milliseconds per token of rounds of ``new_tokens`` one-token steps: a warm-up round, then the median of
+    ``reps`` timed rounds (the context grows by ``new_tokens`` each round)."""
+
     def run():
-        model = build(name, context + 2 * new_tokens + 1, device).eval()  # a warm-up round, then the timed one
+        model = build(name, context + (reps + 1) * new_tokens + 1, device).eval()
         ids = torch.randint(0, SIZE["vocab"], (batch, context), device=device)
         with torch.no_grad():
             cache = LinearAttentionCache(SIZE["layers"]) if not name.startswith("gpt2") else None
@@ -95,7 +98,7 @@ def generation_row(name, context, device, batch=1, new_tokens=16):
                 nonlocal token
                 token = model(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
 
-            total = timed(lambda: [one_token() for _ in range(new_tokens)], device, reps=1)
+            total = timed(lambda: [one_token() for _ in range(new_tokens)], device, reps)
         return {"ms_per_token": total / new_tokens, "tokens_per_s": 1000 * batch * new_tokens / total}
 
     return in_child(run, device)
@@ -140,14 +143,19 @@ def main():
             if name == "gpt2-sdpa" and context > args.gpt2_max:
                 continue
             rows.append(
-                {"task": "generate", "model": name, "tokens": context, **generation_row(name, context, args.device)}
+                {
+                    "task": "generate",
+                    "model": name,
+                    "tokens": context,
+                    **generation_row(name, context, args.device, args.reps),
+                }
             )
             print(rows[-1], flush=True)
     for context in args.batch_contexts:
         for name in [n for n in names if not n.endswith("+ckpt")]:
             if name == "gpt2-sdpa" and context > args.gpt2_max:
                 continue
-            result = generation_row(name, context, args.device, batch=8)
+            result = generation_row(name, context, args.device, args.reps, batch=8)
             rows.append({"task": "generate-batch8", "model": name, "tokens": context, **result})
             print(rows[-1], flush=True)
     fields = ["task", "model", "tokens", "seconds", "tokens_per_s", "peak_mb", "vm_hwm_mb", "ms_per_token", "error"]
