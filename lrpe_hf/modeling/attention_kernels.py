@@ -226,7 +226,8 @@ class ChunkedCausalProduct(torch.autograd.Function):
                 dk += later_keys.transpose(1, 2)  # every key of chunk c adds to the key sums after it
                 total = torch.cat([total, total_keys], dim=-1)
             if grad_initial is not None:
-                block_of(grad_initial, rows, heads).copy_(total.view(block_of(grad_initial, rows, heads).shape))
+                initial_block = block_of(grad_initial, rows, heads)
+                initial_block.copy_(total.view(initial_block.shape))
             for grad, computed in ((grad_q, dq), (grad_k, dk), (grad_v, dv_block)):
                 target = block_of(grad, rows, heads)
                 if computed.data_ptr() != target.data_ptr():  # computed in the products' dtype
@@ -320,10 +321,8 @@ def causal_key_sums(q, k, initial=None, chunk_size: int | None = None):
     if N == 1:  # one decoding step, in its recurrent form
         final = k.transpose(-1, -2) if initial is None else initial + k.transpose(-1, -2)
         return q @ final, final
-    C = max(1, min(chunk_size or default_chunk_size(N), N))
+    C, dtype = chunk_length(N, chunk_size), product_dtype(q, k)
     device = q.device.type
-    autocast = torch.is_autocast_enabled(device)
-    dtype = torch.get_autocast_dtype(device) if autocast else torch.promote_types(q.dtype, k.dtype)
     pad = (-N) % C
     if pad:
         q, k = (F.pad(x, (0, 0, 0, pad)) for x in (q, k))
@@ -335,6 +334,20 @@ def causal_key_sums(q, k, initial=None, chunk_size: int | None = None):
 def default_chunk_size(num_tokens: int) -> int:
     """64 at every length: the fastest forward and forward+backward measured on a 2-core CPU, 4k to 16k tokens."""
     return 64
+
+
+def chunk_length(num_tokens: int, chunk_size: int | None) -> int:
+    """The chunk length for an input of ``num_tokens``: ``chunk_size`` (None: the default), at most the input."""
+    return max(1, min(chunk_size or default_chunk_size(num_tokens), num_tokens))
+
+
+def product_dtype(*tensors) -> torch.dtype:
+    """The dtype the chunked products compute in: autocast's where it is on (as a matmul would), otherwise the
+    inputs' promoted dtype."""
+    device = tensors[0].device.type
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return torch.promote_types(tensors[0].dtype, tensors[1].dtype)
 
 
 def causal_linear_attention(
@@ -350,12 +363,10 @@ def causal_linear_attention(
     the state of the key sum), dv otherwise.
     """
     B, H, N, m = q.shape
-    C = max(1, min(chunk_size or default_chunk_size(N), N))
+    C, dtype = chunk_length(N, chunk_size), product_dtype(q, v)
     if resets is not None and log_gates is None:
         log_gates = q.new_zeros(B, H, N, dtype=torch.promote_types(q.dtype, torch.float32))
     device = q.device.type
-    autocast = torch.is_autocast_enabled(device)
-    dtype = torch.get_autocast_dtype(device) if autocast else torch.promote_types(q.dtype, v.dtype)
     pad = (-N) % C
     if pad and N > 1:
         q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn import functional as F
 
+from .gradients import wants_gradient
 from .reinitialisable import Reinitialisable, seeded_generator
 
 
@@ -86,7 +87,7 @@ class EluFeatureMap(FeatureMap):
     """phi(x) = 1 + elu(x) (Katharopoulos et al. 2020, eq. 7), the LRPE paper's baseline kernel."""
 
     def forward(self, x):
-        return ShiftedElu.apply(x) if torch.is_grad_enabled() and x.requires_grad else shifted_elu(x)
+        return ShiftedElu.apply(x) if wants_gradient(x) else shifted_elu(x)
 
 
 def shifted_relu(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -118,7 +119,7 @@ class ReluFeatureMap(FeatureMap):
         self.eps = eps
 
     def forward(self, x):
-        if torch.is_grad_enabled() and x.requires_grad:
+        if wants_gradient(x):
             return ShiftedRelu.apply(x, self.eps)
         return shifted_relu(x, self.eps)
 
@@ -154,8 +155,8 @@ class ExponentialFeatureMap(FeatureMap):
         return self.log_features(x).exp()  # unstabilised: for references and small inputs
 
     def features(self, q, k, mask=None, causal=False, key_max=None, documents=None) -> Features:
-        # heads-first and contiguous from here on, the layout the attention products want: they would otherwise
-        # each copy (and keep) the features once more
+        # heads-first and contiguous from here on: the running maximum makes the causal product gated, and the gated
+        # products copy their inputs to this layout once (and keep the copies) unless they are so already
         lq, lk = self.log_features(q).contiguous(), self.log_features(k).contiguous()
         query_max = lq.amax(-1, keepdim=True).detach()
         fq = (lq - query_max).exp()

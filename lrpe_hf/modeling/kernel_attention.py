@@ -25,6 +25,7 @@ from torch import nn
 
 from .attention_kernels import bidirectional_linear_attention, causal_key_sums, causal_linear_attention
 from .attention_state import TensorState
+from .gradients import wants_gradient
 from .registry import build_feature_map
 
 
@@ -51,8 +52,7 @@ class DivideByDenominator(torch.autograd.Function):
     @staticmethod
     def divide(numerator, denominator, eps, guard=None):
         """The division, through autograd only when a gradient is wanted."""
-        inputs = (numerator, denominator, eps)
-        if torch.is_grad_enabled() and any(getattr(x, "requires_grad", False) for x in inputs):
+        if wants_gradient(numerator, denominator, eps):
             return DivideByDenominator.apply(numerator, denominator, eps, guard)
         return divide_rows(numerator, denominator, eps, guard)[0]
 

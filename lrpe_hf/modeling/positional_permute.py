@@ -9,6 +9,7 @@ permutations act on the two halves of the features, one driven by the row and on
 
 import torch
 
+from .gradients import wants_gradient
 from .positional_encoding import PositionalEncoding, distinct_rows
 from .reinitialisable import Reinitialisable, seeded_generator
 
@@ -57,8 +58,12 @@ class CyclicPermutations(Reinitialisable):
 
     def apply(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
         """q, k (B, H, N, size), positions (B, N) -> P_pi^s q, P_pi^s k (indices computed once)."""
-        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
+        if wants_gradient(q, k):
             return PermuteQueriesAndKeys.apply(q, k, self, positions)
+        return self.permute(q, k, positions)
+
+    def permute(self, q, k, positions):
+        """The permutation itself, without autograd's bookkeeping."""
         index = self.power_indices(distinct_rows(positions)).expand(q.shape[0], -1, -1, -1)
         return q.gather(-1, index), k.gather(-1, index)
 
@@ -72,8 +77,7 @@ class PermuteQueriesAndKeys(torch.autograd.Function):
     def forward(ctx, q, k, permutations, positions):
         ctx.permutations = permutations
         ctx.save_for_backward(positions)
-        index = permutations.power_indices(distinct_rows(positions)).expand(q.shape[0], -1, -1, -1)
-        return q.gather(-1, index), k.gather(-1, index)
+        return permutations.permute(q, k, positions)
 
     @staticmethod
     def backward(ctx, grad_q, grad_k):

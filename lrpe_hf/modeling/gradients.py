@@ -1,0 +1,9 @@
+"""When the custom autograd Functions run: only where a gradient is wanted. Without one (decoding, evaluation)
+the plain computation runs, without a Function's bookkeeping or its saved tensors."""
+
+import torch
+
+
+def wants_gradient(*inputs) -> bool:
+    """Whether autograd is recording and any of ``inputs`` (tensors, numbers or None) requires a gradient."""
+    return torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in inputs)
