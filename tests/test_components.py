@@ -282,13 +282,21 @@ def test_rope_rotation_matches_rotary_embedding_torch():
 
 
 @pytest.mark.parametrize("width", [6, 7])  # 7: one feature passes through unrotated
-def test_rotation_of_queries_and_keys_has_the_gradients_of_the_written_out_rotation(width):
+@pytest.mark.parametrize("tokens_first", [False, True])  # the projections' layout: pairs read in place (width 6)
+def test_rotation_of_queries_and_keys_has_the_gradients_of_the_written_out_rotation(width, tokens_first):
     """The lighter backward (outputs turned back by -angle) against autograd through the real 2x2 rotation
-    [e cos - o sin, e sin + o cos], angles broadcast over the batch and learnable as for LRPE's Type 2."""
+    [e cos - o sin, e sin + o cos], angles broadcast over the batch and learnable as for LRPE's Type 2; and the
+    plain path without autograd (decoding) gives the same rotation."""
     from lrpe_hf.modeling.positional_rope import rotate_queries_and_keys
 
     torch.manual_seed(0)
-    q, k = (torch.randn(2, 3, 5, width, dtype=torch.float64, requires_grad=True) for _ in range(2))
+
+    def features():  # (2, 3, 5, width): batch, heads, tokens
+        if tokens_first:
+            return torch.randn(2, 5, 3, width, dtype=torch.float64).transpose(1, 2).requires_grad_()
+        return torch.randn(2, 3, 5, width, dtype=torch.float64, requires_grad=True)
+
+    q, k = features(), features()
     angles = (10 * torch.randn(1, 3, 5, 3, dtype=torch.float64)).requires_grad_()
 
     def written_out(x, cos, sin):
@@ -301,6 +309,9 @@ def test_rotation_of_queries_and_keys_has_the_gradients_of_the_written_out_rotat
     grads = [torch.randn_like(x) for x in expected]
     for got, want in zip(ours, expected):
         torch.testing.assert_close(got, want)
+    with torch.no_grad():
+        for got, want in zip(rotate_queries_and_keys(q, k, angles), expected):
+            torch.testing.assert_close(got, want)
     inputs = (q, k, angles)
     got = torch.autograd.grad(ours, inputs, grads)
     want = torch.autograd.grad(expected, inputs, grads)

@@ -73,6 +73,8 @@ def units_per_axis(num_units: int, position_dims: int) -> list[int]:
 def distinct_rows(positions: torch.Tensor) -> torch.Tensor:
     """``positions[:1]`` when every batch row holds the same positions (the usual case), else ``positions``:
     position tables are then built once and broadcast over the batch."""
+    if positions.shape[0] == 1:
+        return positions
     return positions[:1] if bool((positions == positions[:1]).all()) else positions
 
 
@@ -82,6 +84,8 @@ def unit_angles(positions: torch.Tensor, frequencies: torch.Tensor, axis: torch.
     positions (B, N, A) int, frequencies (H, U), axis (U,). The angle is formed and reduced in float64, so that
     large positions stay exact, and returned in ``dtype`` (at least float32).
     """
-    coordinates = distinct_rows(positions).to(torch.float64)[..., axis]  # (B', N, U)
-    angles = torch.remainder(coordinates[:, None] * frequencies.to(torch.float64)[None, :, None, :], 2 * math.pi)
+    coordinates = distinct_rows(positions).to(torch.float64)  # (B', N, A)
+    if coordinates.shape[-1] > 1:
+        coordinates = coordinates[..., axis]  # (B', N, U); in 1D the one axis broadcasts over the units
+    angles = torch.remainder(coordinates[:, None] * frequencies[:, None], 2 * math.pi)  # in float64
     return angles.to(torch.promote_types(dtype, torch.float32))

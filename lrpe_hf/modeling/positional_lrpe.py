@@ -19,7 +19,9 @@ import math
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
+from .gradients import wants_gradient
 from .positional_encoding import PositionalEncoding, axis_of_each, unit_angles
 from .positional_permute import PermutePositionalEncoding
 from .positional_rope import RotaryPositionalEncoding, rotary_frequencies
@@ -39,9 +41,8 @@ class HouseholderReflection(Reinitialisable):
         return {"vector": vector / vector.norm(dim=-1, keepdim=True)}
 
     def forward(self, x):  # (B, H, N, m)
-        v = self.vector / self.vector.norm(dim=-1, keepdim=True).clamp_min(1e-6)
-        v = v.to(x.dtype)[None, :, None, :]
-        return x - 2.0 * (x * v).sum(-1, keepdim=True) * v
+        v = F.normalize(self.vector, dim=-1, eps=1e-6).to(x.dtype)[:, None, :]  # (H, 1, m)
+        return torch.addcmul(x, (x * v).sum(-1, keepdim=True), v, value=-2.0)
 
 
 class OddEvenPermutation(Reinitialisable):
@@ -103,7 +104,14 @@ class LRPEUnitary(PositionalEncoding):
 
     def encode_features(self, q, k, positions):
         angles = unit_angles(positions, self.angles, self.axis, q.dtype)
-        return UnitaryLift.apply(self.p(q), self.p(k), angles)
+        q, k = self.p(q), self.p(k)
+        return UnitaryLift.apply(q, k, angles) if wants_gradient(q, k, angles) else lift(q, k, angles)
+
+
+def lift(q, k, angles):
+    """[x cos, x sin] for x = q and k: (B, H, N, m) -> (B, H, N, 2m), with ``angles`` (B', H, N, m)."""
+    cos, sin = angles.cos().to(q.dtype), angles.sin().to(q.dtype)
+    return torch.cat([q * cos, q * sin], dim=-1), torch.cat([k * cos, k * sin], dim=-1)
 
 
 class UnitaryLift(torch.autograd.Function):
@@ -113,8 +121,7 @@ class UnitaryLift(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, angles):
-        cos, sin = angles.cos().to(q.dtype), angles.sin().to(q.dtype)
-        lifted = torch.cat([q * cos, q * sin], dim=-1), torch.cat([k * cos, k * sin], dim=-1)
+        lifted = lift(q, k, angles)
         ctx.save_for_backward(*lifted, angles)
         return lifted
 

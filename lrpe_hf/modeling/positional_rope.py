@@ -6,6 +6,7 @@ half of the pairs follows the row and the second half the column, each half with
 
 import torch
 
+from .gradients import wants_gradient
 from .positional_encoding import PositionalEncoding, axis_of_each, unit_angles, units_per_axis
 
 
@@ -21,16 +22,32 @@ def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 def as_pairs(x: torch.Tensor, num_pairs: int) -> torch.Tensor:
-    """The first ``num_pairs`` pairs of x (..., m) as complex numbers (..., P)."""
-    return torch.view_as_complex(x[..., : 2 * num_pairs].unflatten(-1, (num_pairs, 2)).contiguous())
+    """The first ``num_pairs`` pairs of x (..., m) as complex numbers (..., P): a view where the layout of x
+    allows one (pairs adjacent, every other stride and the offset even), else a copy."""
+    pairs = (x if 2 * num_pairs == x.shape[-1] else x[..., : 2 * num_pairs]).unflatten(-1, (num_pairs, 2))
+    if pairs.stride(-1) != 1 or pairs.storage_offset() % 2 or any(stride % 2 for stride in pairs.stride()[:-1]):
+        pairs = pairs.contiguous()
+    return torch.view_as_complex(pairs)
 
 
 def multiply_pairs(x: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
     """x (..., m) with its first P pairs read as complex numbers and multiplied by ``factor`` (..., P) complex."""
     num_pairs = factor.shape[-1]
     rotated = torch.view_as_real(as_pairs(x, num_pairs) * factor).flatten(-2)
-    rest = x[..., 2 * num_pairs :]
-    return torch.cat([rotated, rest], dim=-1) if rest.shape[-1] else rotated
+    if 2 * num_pairs == x.shape[-1]:
+        return rotated
+    return torch.cat([rotated, x[..., 2 * num_pairs :]], dim=-1)
+
+
+def unit_factors(angles: torch.Tensor, dtype) -> torch.Tensor:
+    """exp(i angles) as the complex dtype that multiplies features of ``dtype``."""
+    return torch.polar(torch.ones_like(angles), angles).to(torch.promote_types(dtype, torch.complex64))
+
+
+def rotate_by_angles(q, k, angles):
+    """The pair rotation of q and k (float32 or float64) by the same ``angles``, in complex arithmetic."""
+    factor = unit_factors(angles, q.dtype)
+    return multiply_pairs(q, factor), multiply_pairs(k, factor)
 
 
 class RotateQueriesAndKeys(torch.autograd.Function):
@@ -40,8 +57,7 @@ class RotateQueriesAndKeys(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, angles):
-        factor = torch.polar(torch.ones_like(angles), angles).to(torch.promote_types(q.dtype, torch.complex64))
-        rotated = multiply_pairs(q, factor), multiply_pairs(k, factor)
+        rotated = rotate_by_angles(q, k, angles)
         ctx.save_for_backward(*rotated, angles)
         return rotated
 
@@ -49,9 +65,7 @@ class RotateQueriesAndKeys(torch.autograd.Function):
     def backward(ctx, grad_q, grad_k):
         *rotated, angles = ctx.saved_tensors
         num_pairs = angles.shape[-1]
-        inverse = torch.polar(torch.ones_like(angles), -angles).to(
-            torch.promote_types(rotated[0].dtype, torch.complex64)
-        )
+        inverse = unit_factors(-angles, rotated[0].dtype)
         grads, grad_angles = [], 0
         for y, grad in zip(rotated, (grad_q, grad_k)):
             if grad is None:
@@ -68,7 +82,9 @@ def rotate_queries_and_keys(q, k, angles):
     """q and k with their feature pairs rotated by ``angles`` (B', H, N, P): through ``RotateQueriesAndKeys``
     where complex kernels apply (float32, float64), else in the real form."""
     if q.dtype in (torch.float32, torch.float64) and k.dtype == q.dtype:
-        return RotateQueriesAndKeys.apply(q, k, angles)
+        if wants_gradient(q, k, angles):
+            return RotateQueriesAndKeys.apply(q, k, angles)
+        return rotate_by_angles(q, k, angles)
     cos, sin = angles.cos().to(q.dtype), angles.sin().to(q.dtype)
     return rotate_pairs(q, cos, sin), rotate_pairs(k, cos, sin)
 
