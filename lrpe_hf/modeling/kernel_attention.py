@@ -108,9 +108,10 @@ class KernelAttention(nn.Module):
         local_documents = None if starts is None else starts.long().cumsum(-1)
         features = self.feature_map.features(q, k, mask, self.causal, key_max, local_documents)
         gates = features.log_gates
-        if encoding.log_decay is not None and not self.causal:
+        log_decay = encoding.log_decay
+        if log_decay is not None and not self.causal:
             raise ValueError(f"{type(encoding).__name__} decays with distance: it is for causal attention only")
-        decay = self.decay_gates(encoding.log_decay, positions, last_position, q.dtype)
+        decay = self.decay_gates(log_decay, positions, last_position, q.dtype)
         if decay is not None:
             gates = decay if gates is None else gates + decay
         tq, tk = encoding.encode_features(features.query, features.key, positions)
@@ -179,14 +180,14 @@ class KernelAttention(nn.Module):
 
     def unrotated_denominator(self, fq, fk, gates, state, starts=None):
         """<phi(q_s), sum_t w(s, t) phi(k_t)> without the positional transform (RoFormer eq. 19): (B, H, N, 1)."""
-        ones = torch.ones_like(fk[..., :1])
         if not self.causal:
             documents = None if starts is None else starts.long().cumsum(-1)
-            return bidirectional_linear_attention(fq, fk, ones, documents)[0]
+            return bidirectional_linear_attention(fq, fk, torch.ones_like(fk[..., :1]), documents)[0]
         previous = state.key_sum if state is not None else None
         if gates is None and starts is None:
             denominator, key_sum = causal_key_sums(fq, fk, previous, self.chunk_size)
         else:
+            ones = torch.ones_like(fk[..., :1])
             denominator, _, key_sum = causal_linear_attention(fq, fk, ones, gates, previous, self.chunk_size, starts)
         if state is not None:
             state.key_sum = key_sum
