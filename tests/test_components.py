@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
+import lrpe_hf
 from lrpe_hf import LearnedPositionEmbedding, SinusoidalPositionEmbedding
 from lrpe_hf.modeling.feature_maps import PerformerFeatureMap
 from lrpe_hf.modeling.positional_fastrpb import FastRelativePositionBias
@@ -491,3 +492,41 @@ def test_dropout_drops_at_rate_p_scales_the_rest_and_keeps_a_one_byte_mask():
     assert [t.dtype for t in saved] == [torch.bool]
     assert dropout.eval()(x) is x
     assert torch.all(Dropout(1.0).train()(x) == 0)
+
+
+@pytest.mark.parametrize("name", ["elu", "relu"])
+def test_feature_maps_written_into_their_inputs_equal_the_plain_maps(name):
+    """With ``reuse_inputs`` and no gradient wanted (evaluation, decoding), elu and relu write phi into q and k:
+    the same features as the plain map, in the projections' layout; with a gradient wanted, q and k stay."""
+    feature_map = lrpe_hf.LinearAttention(24, 3, feature_map=name).feature_map
+    q, k = (torch.randn(2, 5, 3, 8).transpose(1, 2) for _ in "qk")  # (B, H, N, D) as the projections give them
+    mask = torch.tensor([[True] * 5, [True, True, True, False, False]])
+    expected = feature_map.features(q, k, mask)
+    with torch.no_grad():
+        reused = q.clone(), k.clone()
+        got = feature_map.features(*reused, mask, reuse_inputs=True)
+    torch.testing.assert_close(got.query, expected.query)
+    torch.testing.assert_close(got.key, expected.key)
+    assert got.query.data_ptr() == reused[0].data_ptr()
+    wanting = q.clone().requires_grad_(), k.clone().requires_grad_()
+    feature_map.features(*wanting, mask, reuse_inputs=True)
+    torch.testing.assert_close(wanting[0].detach(), q)
+    torch.testing.assert_close(wanting[1].detach(), k)
+
+
+def test_the_layer_lets_the_feature_map_overwrite_only_its_own_projections():
+    """An encoding's ``encode_query_key`` may return tensors it keeps (here: stores): the layer then keeps the
+    feature map from writing into them, while the projections' own outputs are reused."""
+
+    class KeepsItsOutputs(lrpe_hf.PositionalEncoding):
+        def encode_query_key(self, q, k, positions, shared_draw=None):
+            self.kept = q * 2, k * 2
+            return self.kept
+
+    layer = lrpe_hf.LinearAttention(24, 3, causal=True).eval()
+    layer.positional_encoding = KeepsItsOutputs()
+    x = torch.randn(2, 5, 24)
+    with torch.no_grad():
+        layer(x)
+        for kept, proj in zip(layer.positional_encoding.kept, (layer.q_proj, layer.k_proj)):
+            torch.testing.assert_close(kept, 2 * layer.split_heads(proj(x)))

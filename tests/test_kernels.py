@@ -257,8 +257,9 @@ def test_division_by_the_denominator_has_the_plain_values_and_gradients(eps_kind
 
 
 @pytest.mark.parametrize("length", [1, 2, 15, 16, 17, 33, 64, 100])
-def test_running_sum_in_blocks_equals_cumsum(length):
+@pytest.mark.parametrize("trailing", [(4, 5), (16, 20)])  # one cumsum up to 256 trailing elements, blocks above
+def test_running_sum_in_blocks_equals_cumsum(length, trailing):
     from lrpe_hf.modeling.attention_kernels import running_sum_
 
-    x = torch.randn(3, length, 4, 5, dtype=torch.float64)
+    x = torch.randn(3, length, *trailing, dtype=torch.float64)
     torch.testing.assert_close(running_sum_(x.clone()), x.cumsum(1))

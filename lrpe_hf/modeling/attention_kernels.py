@@ -98,7 +98,10 @@ def add_state_products(target, left, states, initial, num_chunks):
 def running_sum_(x: torch.Tensor, block: int = 16) -> torch.Tensor:
     """x[:, i] <- x[:, 0] + ... + x[:, i] in place, for x (G, n, ...): the sums within blocks of ``block`` rows,
     then the blocks' totals carried forward, about n / block + block in-place additions in all. (``cumsum_``
-    along dim 1 ran up to 6x slower on 2 CPU cores when the trailing size is a power of two, as m x dv = 4096.)"""
+    along dim 1 ran up to 6x slower on 2 CPU cores when the trailing size is a power of two, as m x dv = 4096;
+    with at most 256 trailing elements, as the key sums' m x 1, one ``cumsum`` was up to 10x faster.)"""
+    if x[0, 0].numel() <= 256:
+        return x.copy_(x.cumsum(1))
     n = x.shape[1]
     full = n - n % block
     blocks = x[:, :full].unflatten(1, (full // block, block))  # (G, nb, block, ...)

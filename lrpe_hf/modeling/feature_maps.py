@@ -54,13 +54,20 @@ class FeatureMap(Reinitialisable):
     def redraw(self):
         """Called once per training step by the model (or a standalone layer); random maps redraw here."""
 
-    def features(self, q, k, mask=None, causal=False, key_max=None, documents=None) -> Features:
+    def in_place(self, x: torch.Tensor) -> torch.Tensor:
+        """phi(x), written into x where the map can; this default returns a new tensor."""
+        return self(x)
+
+    def features(self, q, k, mask=None, causal=False, key_max=None, documents=None, reuse_inputs=False) -> Features:
         """phi(q), phi(k) with padded keys (``mask`` (B, N) bool, False = padding) zeroed. ``documents`` (B, N)
-        numbers the documents of a packed row (0 continues the previous call's), or is None."""
-        fk = self(k)
+        numbers the documents of a packed row (0 continues the previous call's), or is None. ``reuse_inputs``:
+        q and k are the caller's temporaries, which the map may overwrite (``in_place``) when no gradient is
+        wanted: two full-size allocations fewer in evaluation and decoding."""
+        phi = self.in_place if reuse_inputs and not wants_gradient(q, k) else self
+        fk = phi(k)
         if mask is not None:
             fk = fk.masked_fill(~mask[:, None, :, None], 0.0)
-        return Features(self(q), fk)
+        return Features(phi(q), fk)
 
 
 def shifted_elu(x: torch.Tensor) -> torch.Tensor:
@@ -88,6 +95,9 @@ class EluFeatureMap(FeatureMap):
 
     def forward(self, x):
         return ShiftedElu.apply(x) if wants_gradient(x) else shifted_elu(x)
+
+    def in_place(self, x):
+        return F.elu_(x).add_(1.0)
 
 
 def shifted_relu(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -123,6 +133,9 @@ class ReluFeatureMap(FeatureMap):
             return ShiftedRelu.apply(x, self.eps)
         return shifted_relu(x, self.eps)
 
+    def in_place(self, x):
+        return F.relu_(x).add_(self.eps)
+
 
 class DPFPFeatureMap(FeatureMap):
     """Deterministic parameter-free projection (Schlag et al. 2021, eq. 37-38): width 2 * D * nu.
@@ -154,7 +167,7 @@ class ExponentialFeatureMap(FeatureMap):
     def forward(self, x):
         return self.log_features(x).exp()  # unstabilised: for references and small inputs
 
-    def features(self, q, k, mask=None, causal=False, key_max=None, documents=None) -> Features:
+    def features(self, q, k, mask=None, causal=False, key_max=None, documents=None, reuse_inputs=False) -> Features:
         # heads-first and contiguous from here on: the running maximum makes the causal product gated, and the gated
         # products copy their inputs to this layout once (and keep the copies) unless they are so already
         lq, lk = self.log_features(q).contiguous(), self.log_features(k).contiguous()

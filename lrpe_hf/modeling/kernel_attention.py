@@ -100,13 +100,27 @@ class KernelAttention(nn.Module):
         elif self.normalization == "output_layer_norm":
             self.output_norm = nn.LayerNorm(head_dim * options.num_heads, eps=options.eps)
 
-    def forward(self, q, k, v, mask, positions, encoding, state=None, last_position=None, starts=None, documents=None):
+    def forward(
+        self,
+        q,
+        k,
+        v,
+        mask,
+        positions,
+        encoding,
+        state=None,
+        last_position=None,
+        starts=None,
+        documents=None,
+        reuse_inputs=False,
+    ):
         """mask (B, N) bool or None; positions (B, N, A); state: this path's state (causal decoding) or None;
         last_position (B,): the previous call's last position, or None; starts (B, N) bool: the tokens that start
-        a new document in a packed row, or None for one document (``documents``: their running count, unused)."""
+        a new document in a packed row, or None for one document (``documents``: their running count, unused);
+        ``reuse_inputs``: q and k are the caller's temporaries, which the feature map may overwrite."""
         key_max = state.key_max if state else None
         local_documents = None if starts is None else starts.long().cumsum(-1)
-        features = self.feature_map.features(q, k, mask, self.causal, key_max, local_documents)
+        features = self.feature_map.features(q, k, mask, self.causal, key_max, local_documents, reuse_inputs)
         gates = features.log_gates
         log_decay = encoding.log_decay
         if log_decay is not None and not self.causal:

@@ -129,7 +129,9 @@ class LinearAttention(nn.Module):
         if mask is not None:  # padded values contribute nothing, in every path (and in saved states)
             v = v.masked_fill(~mask[:, None, :, None], 0.0)
         encoding = self.positional_encoding
+        projected = q, k
         q, k = encoding.encode_query_key(q, k, positions, shared_draw)
+        reuse_inputs = q is projected[0] and k is projected[1]  # this call's own: the feature map may overwrite them
         if documents is None:
             documents = packed_documents(positions, mask, state) if self.options.position_dims == 1 else (None, None)
         starts, documents = documents
@@ -137,7 +139,9 @@ class LinearAttention(nn.Module):
         if state is not None:
             state.path = state.path if state.path is not None else self.attention.State()
             path_state, last_position = state.path, state.last_position
-        out = self.attention(q, k, v, mask, positions, encoding, path_state, last_position, starts, documents)
+        out = self.attention(
+            q, k, v, mask, positions, encoding, path_state, last_position, starts, documents, reuse_inputs
+        )
         if encoding.has_value_bias:
             keys = (v, positions, documents)
             if state is not None:

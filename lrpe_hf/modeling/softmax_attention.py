@@ -39,9 +39,22 @@ class SoftmaxAttention(nn.Module):
         self.causal = options.causal
         self.scale = 1.0 / math.sqrt(query_key_dim)
 
-    def forward(self, q, k, v, mask, positions, encoding, state=None, last_position=None, starts=None, documents=None):
+    def forward(
+        self,
+        q,
+        k,
+        v,
+        mask,
+        positions,
+        encoding,
+        state=None,
+        last_position=None,
+        starts=None,
+        documents=None,
+        reuse_inputs=False,
+    ):
         """documents (B, N): the document of each token of a packed row, counted across calls (always given with
-        a state), or None for one document; starts is unused (see ``KernelAttention``)."""
+        a state), or None for one document; starts and reuse_inputs are unused (see ``KernelAttention``)."""
         q, k = encoding.encode_features(q, k, positions)
         B, H, N, _ = q.shape
         key_mask = mask if mask is not None else torch.ones(B, N, dtype=torch.bool, device=q.device)
