@@ -151,6 +151,24 @@ def test_spe_draws_are_random_in_training_and_repeatable_in_eval():
     torch.testing.assert_close(again.eval().encode(q, positions, again.draw(), None, True), encode())
 
 
+@pytest.mark.parametrize("gated", [False, True])
+def test_eval_spe_reuses_its_mixing_until_a_parameter_changes(gated):
+    """Without gradients, an eval-mode draw builds sineSPE's mixing matrices once and keeps them across forwards;
+    an in-place update of a parameter (an optimizer step, a loaded state dict) rebuilds them. Checked against the
+    forward with gradients on, which never reuses them; the gate scales x or the mixing, whichever is smaller."""
+    torch.manual_seed(0)
+    layer = lrpe_hf.LinearAttention(16, 2, positional_encoding="spe_sine", spe_gated=gated, causal=True).eval()
+    codes = layer.shared_codes
+    for x in (torch.randn(1, 3, 16), torch.randn(1, 300, 16)):  # x smaller, then larger, than the mixing matrix
+        with torch.no_grad():
+            first = layer(x)
+            codes.amplitudes.mul_(1.5)
+            codes.phases.add_(0.3)
+            updated = layer(x)
+        assert not torch.allclose(first, updated)
+        torch.testing.assert_close(updated, layer(x).detach())
+
+
 def test_conv_spe_codes_depend_on_position_not_on_the_batch_window():
     """Eval-mode noise is a function of absolute position: a token gets the same codes in any window."""
     codes = ConvSPECodes(num_heads=1, head_dim=4, num_realizations=8, kernel_size=5).eval()

@@ -33,6 +33,7 @@ import zlib
 
 import torch
 
+from .gradients import wants_gradient
 from .positional_encoding import PositionalEncoding
 from .reinitialisable import Reinitialisable
 
@@ -83,11 +84,19 @@ class SPEDraw:
         """A named position-independent noise tensor of the given shape."""
         if name not in self._tensors:
             if self.seeded:
-                self._tensors[name] = seeded_normal(self.codes.seed, (zlib.crc32(name.encode()),), shape).to(
-                    self.device
-                )
+                self._tensors[name] = self.codes.seeded_tensor(name, shape, self.device)
             else:
                 self._tensors[name] = torch.randn(shape, device=self.device)
+        return self._tensors[name]
+
+    def shared_by_layers(self, name: str, build):
+        """``build()``, once for every layer of this draw where no gradient is wanted (evaluation, decoding);
+        where one is, each layer builds its own, so that its graph stays its own (as gradient checkpointing
+        replays it)."""
+        if torch.is_grad_enabled():
+            return build()
+        if name not in self._tensors:
+            self._tensors[name] = self.codes.seeded_product(name, build) if self.seeded else build()
         return self._tensors[name]
 
     def cached(self, name: str, positions: torch.Tensor, build):
@@ -132,10 +141,27 @@ class SPECodes(Reinitialisable):
         super().__init__()
         self.num_heads, self.head_dim = num_heads, head_dim
         self.num_realizations, self.position_dims, self.seed = num_realizations, position_dims, seed
-        self._block_cache = {}
+        self._block_cache, self._seeded_cache = {}, {}
 
     def draw(self, device=None) -> SPEDraw:
         return SPEDraw(self, device or next(self.parameters()).device)
+
+    def seeded_tensor(self, name: str, shape: tuple, device) -> torch.Tensor:
+        """The deterministic noise named ``name`` (cached: eval-mode draws reuse it at every forward)."""
+        key = (name, shape, str(device))
+        if key not in self._seeded_cache:
+            self._seeded_cache[key] = seeded_normal(self.seed, (zlib.crc32(name.encode()),), shape).to(device)
+        return self._seeded_cache[key]
+
+    def seeded_product(self, name: str, build) -> torch.Tensor:
+        """``build()`` from the deterministic noise and the parameters, cached until a parameter changes (its
+        storage or its version counter, which every in-place update such as an optimizer step advances): one
+        build for every decoding step of an eval-mode model."""
+        key = tuple((p.data_ptr(), p._version) for p in self.parameters())
+        cached = self._seeded_cache.get(name)
+        if cached is None or cached[0] != key:
+            cached = self._seeded_cache[name] = (key, build())
+        return cached[1]
 
     def seeded_block(self, index: tuple, block: int, channels: tuple) -> torch.Tensor:
         """Deterministic noise of the grid block ``index`` (cached; at most 64 blocks are kept)."""
@@ -207,23 +233,38 @@ class SineSPECodes(SPECodes):
     def prepare(self, draw, positions):
         self.position_table(positions, draw)
 
-    def mixing_matrix(self, draw, gate, is_query, dtype):
-        """The noise Z folded with amplitudes / sqrt(K), the gate sqrt(1 - delta) and, for queries, the phase
-        rotation cos(a + theta) = cos a cos theta - sin a sin theta: (H, D * 2K, R)."""
+    def mixing_matrix(self, draw, is_query, dtype):
+        """The noise Z folded with amplitudes / sqrt(K) and, for queries, the phase rotation
+        cos(a + theta) = cos a cos theta - sin a sin theta: (H, D, 2K, R), shared by the layers of a draw where
+        no gradient is wanted."""
         H, D, K, R = self.num_heads, self.head_dim, self.num_sines, self.num_realizations
-        noise = draw.tensor("sine", (H, D, 2, K, R))
-        cos_part, sin_part = noise[:, :, 0], noise[:, :, 1]
-        if is_query:
-            c, s = self.phases.cos()[..., None], self.phases.sin()[..., None]
-            cos_part, sin_part = c * cos_part + s * sin_part, c * sin_part - s * cos_part
-        scale = self.amplitudes[..., None] / math.sqrt(K)
-        if gate is not None:
-            scale = scale * (1 - gate).sqrt()[..., None, None]
-        return torch.stack([scale * cos_part, scale * sin_part], dim=2).reshape(H, D * 2 * K, R).to(dtype)
+
+        def build():
+            noise = draw.tensor("sine", (H, D, 2, K, R))
+            cos_part, sin_part = noise[:, :, 0], noise[:, :, 1]
+            if is_query:
+                c, s = self.phases.cos()[..., None], self.phases.sin()[..., None]
+                cos_part, sin_part = c * cos_part + s * sin_part, c * sin_part - s * cos_part
+            scale = self.amplitudes[..., None] / math.sqrt(K)
+            return torch.cat([scale * cos_part, scale * sin_part], dim=2).to(dtype)
+
+        return draw.shared_by_layers(f"sine_{'query' if is_query else 'key'}_mixing_{dtype}", build)
 
     def encode(self, x, positions, draw, gate, is_query):
         table = self.position_table(positions, draw).to(x.dtype)  # (B', H, N, D, 2K)
-        out = TableMixing.apply(x, table, self.mixing_matrix(draw, gate, is_query, x.dtype))
+        mixing = self.mixing_matrix(draw, is_query, x.dtype)
+        mixed_x = x
+        if gate is not None:  # the gate's sqrt(1 - delta_d) scales x or the mixing matrix, whichever is smaller
+            keep = (1 - gate).sqrt().to(x.dtype)  # (H, D)
+            if x.numel() < mixing.numel():
+                mixed_x = x * keep[None, :, None]
+            else:
+                mixing = mixing * keep[..., None, None]
+        mixing = mixing.flatten(1, 2)  # (H, D * 2K, R)
+        if wants_gradient(mixed_x, table, mixing):
+            out = TableMixing.apply(mixed_x, table, mixing)
+        else:
+            out = TableMixing.mix(mixed_x, table, mixing)
         if gate is not None:
             out = out + (x * gate.sqrt().to(x.dtype)[None, :, None]) @ self.gate_noise(draw).to(x.dtype)[None]
         return self._normalise(out)
@@ -249,12 +290,20 @@ class TableMixing(torch.autograd.Function):
         return (x[:, :, tokens, :, None] * table[:, :, tokens]).flatten(-2)
 
     @staticmethod
-    def forward(ctx, x, table, mixing):
+    def mix(x, table, mixing):
+        """The product itself, without autograd's bookkeeping."""
+        blocks = TableMixing.blocks(x, table)
+        if len(blocks) == 1:
+            return TableMixing.products(x, table, blocks[0]) @ mixing
         out = x.new_empty(*x.shape[:-1], mixing.shape[-1])
-        for tokens in TableMixing.blocks(x, table):
+        for tokens in blocks:
             out[:, :, tokens] = TableMixing.products(x, table, tokens) @ mixing
-        ctx.save_for_backward(x, table, mixing)
         return out
+
+    @staticmethod
+    def forward(ctx, x, table, mixing):
+        ctx.save_for_backward(x, table, mixing)
+        return TableMixing.mix(x, table, mixing)
 
     @staticmethod
     def backward(ctx, grad):
