@@ -358,14 +358,18 @@ def test_unitary_lift_has_the_gradients_of_the_written_out_lift():
 
 
 @pytest.mark.parametrize("same_rows", [True, False])
-def test_permutation_powers_have_the_gradients_of_gather(same_rows):
-    """P_pi^s q and P_pi^s k with the backward that recomputes its indices, against autograd through gather
-    with the indices written out; batch rows sharing their positions or not."""
+@pytest.mark.parametrize("block_elements", [None, 40])  # 40: blocks of 2 tokens (1 with distinct rows)
+def test_permutation_powers_have_the_gradients_of_gather(same_rows, block_elements, monkeypatch):
+    """P_pi^s q and P_pi^s k, a block of tokens at a time, with the backward that permutes the gradients by
+    pi^-s, against autograd through gather with the indices written out; batch rows sharing their positions or
+    not; q and k in the projections' (tokens, heads) layout."""
     from lrpe_hf.modeling.positional_permute import CyclicPermutations
 
+    if block_elements:
+        monkeypatch.setattr(CyclicPermutations, "BLOCK_ELEMENTS", block_elements)
     torch.manual_seed(0)
     permutations = CyclicPermutations(num_heads=3, size=6, seed=1)
-    q, k = (torch.randn(2, 3, 7, 6, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    q, k = (torch.randn(2, 7, 3, 6, dtype=torch.float64).transpose(1, 2).requires_grad_() for _ in range(2))
     positions = torch.arange(7)[None].repeat(2, 1) + (0 if same_rows else torch.tensor([[0], [40]]))
     ours = permutations.apply(q, k, positions)
     index = permutations.power_indices(positions)  # (B, H, N, size): pi_h^s(i)

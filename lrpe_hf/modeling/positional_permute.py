@@ -57,37 +57,46 @@ class CyclicPermutations(Reinitialisable):
         return members.gather(-1, flat).view(steps.shape)
 
     def apply(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
-        """q, k (B, H, N, size), positions (B, N) -> P_pi^s q, P_pi^s k (indices computed once)."""
+        """q, k (B, H, N, size), positions (B, N) -> P_pi^s q, P_pi^s k (indices computed once for both)."""
         if wants_gradient(q, k):
             return PermuteQueriesAndKeys.apply(q, k, self, positions)
-        return self.permute(q, k, positions)
+        return self.permute(positions, q, k)
 
-    def permute(self, q, k, positions):
-        """The permutation itself, without autograd's bookkeeping."""
-        index = self.power_indices(distinct_rows(positions)).expand(q.shape[0], -1, -1, -1)
-        return q.gather(-1, index), k.gather(-1, index)
+    BLOCK_ELEMENTS = 1 << 20  # the int64 indices of one block of tokens: 8 MB
+
+    def permute(self, positions, *tensors):
+        """P_pi^s x for each x (B, H, N, size) of ``tensors`` (None stays None), without autograd's bookkeeping.
+        A block of tokens at a time: the (B', H, T, size) int64 indices are never made for the whole input (at 32k
+        tokens they would be 134 MB, built from as many temporaries). Outputs are stored heads-first."""
+        rows = distinct_rows(positions)
+        present = [x for x in tensors if x is not None]
+        B, H, N, size = present[0].shape
+        outputs = [x.new_empty(B, H, N, size) for x in present]
+        step = max(1, self.BLOCK_ELEMENTS // (rows.shape[0] * H * size))
+        for start in range(0, N, step):
+            tokens = slice(start, start + step)
+            index = self.power_indices(rows[:, tokens]).expand(B, -1, -1, -1)
+            for x, out in zip(present, outputs):
+                torch.gather(x[:, :, tokens], -1, index, out=out[:, :, tokens])
+        permuted = iter(outputs)
+        return tuple(None if x is None else next(permuted) for x in tensors)
 
 
 class PermuteQueriesAndKeys(torch.autograd.Function):
-    """P_pi^s q and P_pi^s k through ``permutations`` (a ``CyclicPermutations``), saving only the positions:
-    backward recomputes the (B, H, N, size) int64 indices and scatters the gradients back through them (each
-    feature goes to exactly one place), where ``gather`` kept the indices and its inputs."""
+    """P_pi^s q and P_pi^s k through ``permutations`` (a ``CyclicPermutations``), saving only the positions. The
+    permutation is orthogonal, so backward is the inverse permutation, pi^-s: a gather by the powers of the
+    negated positions, where ``gather``'s own backward would keep the (B, H, N, size) int64 indices and scatter."""
 
     @staticmethod
     def forward(ctx, q, k, permutations, positions):
         ctx.permutations = permutations
         ctx.save_for_backward(positions)
-        return permutations.permute(q, k, positions)
+        return permutations.permute(positions, q, k)
 
     @staticmethod
     def backward(ctx, grad_q, grad_k):
         (positions,) = ctx.saved_tensors
-        index = ctx.permutations.power_indices(distinct_rows(positions))
-        grads = [
-            None if grad is None else torch.empty_like(grad).scatter_(-1, index.expand_as(grad), grad)
-            for grad in (grad_q, grad_k)
-        ]
-        return *grads, None, None
+        return *ctx.permutations.permute(-positions, grad_q, grad_k), None, None
 
 
 def default_decays(num_heads: int) -> torch.Tensor:
