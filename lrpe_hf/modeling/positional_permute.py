@@ -7,6 +7,8 @@ r^(s-t) relative to chunk starts (``log_decay``), never as r^s over the whole se
 permutations act on the two halves of the features, one driven by the row and one by the column (eq. 14).
 """
 
+import math
+
 import torch
 
 from .gradients import wants_gradient
@@ -49,12 +51,20 @@ class CyclicPermutations(Reinitialisable):
                 offset += len(cycle)
         return {"members": members, "start": start, "length": length, "index": index}
 
-    def power_indices(self, positions: torch.Tensor) -> torch.Tensor:
-        """positions (B, N) int -> indices pi_h^s(i) of shape (B, H, N, size)."""
-        steps = (self.index[None, :, None, :] + positions[:, None, :, None]) % self.length[None, :, None, :]
-        flat = (self.start[None, :, None, :] + steps).flatten(2)  # (B, H, N*size)
-        members = self.members[None].expand(flat.shape[0], -1, -1)
-        return members.gather(-1, flat).view(steps.shape)
+    def power_indices(self, positions: torch.Tensor, workspace: torch.Tensor | None = None) -> torch.Tensor:
+        """positions (B, N) int -> indices pi_h^s(i) of shape (B, H, N, size). ``workspace``: int64 storage of at
+        least 2 B H N size elements to compute in (reused block after block; a fresh tensor of this size is
+        mapped and page-faulted anew), or None."""
+        B, N = positions.shape
+        shape = (B, self.num_heads, N, self.size)
+        if workspace is None:
+            workspace = positions.new_empty(2 * math.prod(shape))
+        steps, index = workspace[: 2 * math.prod(shape)].view(2, *shape).unbind(0)
+        torch.add(self.index[None, :, None, :], positions[:, None, :, None], out=steps)
+        steps.remainder_(self.length[None, :, None, :]).add_(self.start[None, :, None, :])
+        members = self.members[None].expand(B, -1, -1)
+        torch.gather(members, -1, steps.flatten(2), out=index.flatten(2))
+        return index
 
     def apply(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
         """q, k (B, H, N, size), positions (B, N) -> P_pi^s q, P_pi^s k (indices computed once for both)."""
@@ -73,9 +83,10 @@ class CyclicPermutations(Reinitialisable):
         B, H, N, size = present[0].shape
         outputs = [x.new_empty(B, H, N, size) for x in present]
         step = max(1, self.BLOCK_ELEMENTS // (rows.shape[0] * H * size))
+        workspace = rows.new_empty(2 * rows.shape[0] * H * min(step, N) * size)
         for start in range(0, N, step):
             tokens = slice(start, start + step)
-            index = self.power_indices(rows[:, tokens]).expand(B, -1, -1, -1)
+            index = self.power_indices(rows[:, tokens], workspace).expand(B, -1, -1, -1)
             for x, out in zip(present, outputs):
                 torch.gather(x[:, :, tokens], -1, index, out=out[:, :, tokens])
         permuted = iter(outputs)
