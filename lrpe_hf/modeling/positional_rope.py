@@ -23,11 +23,17 @@ def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 def as_pairs(x: torch.Tensor, num_pairs: int) -> torch.Tensor:
     """The first ``num_pairs`` pairs of x (..., m) as complex numbers (..., P): a view where the layout of x
-    allows one (pairs adjacent, every other stride and the offset even), else a copy."""
+    allows one (pairs adjacent, every other stride and the offset even), else a copy (always under
+    ``torch.compile``, which fuses it)."""
     pairs = (x if 2 * num_pairs == x.shape[-1] else x[..., : 2 * num_pairs]).unflatten(-1, (num_pairs, 2))
-    if pairs.stride(-1) != 1 or pairs.storage_offset() % 2 or any(stride % 2 for stride in pairs.stride()[:-1]):
+    if torch.compiler.is_compiling() or not viewable_as_complex(pairs):
         pairs = pairs.contiguous()
     return torch.view_as_complex(pairs)
+
+
+def viewable_as_complex(pairs: torch.Tensor) -> bool:
+    """Whether ``torch.view_as_complex`` accepts ``pairs`` (..., 2) as it is."""
+    return pairs.stride(-1) == 1 and pairs.storage_offset() % 2 == 0 and all(s % 2 == 0 for s in pairs.stride()[:-1])
 
 
 def multiply_pairs(x: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
