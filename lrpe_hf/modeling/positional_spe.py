@@ -34,7 +34,7 @@ import zlib
 import torch
 
 from .gradients import wants_gradient
-from .positional_encoding import PositionalEncoding
+from .positional_encoding import PositionalEncoding, distinct_rows
 from .reinitialisable import Reinitialisable
 
 
@@ -101,7 +101,7 @@ class SPEDraw:
 
     def cached(self, name: str, positions: torch.Tensor, build):
         """``build()`` evaluated once per distinct positions tensor; identical batch rows are built once."""
-        rows = positions[:1] if bool((positions == positions[:1]).all()) else positions
+        rows = distinct_rows(positions)
         for cached_rows, value in self._tables.get(name, []):
             if cached_rows.shape == rows.shape and torch.equal(cached_rows, rows):
                 return value
