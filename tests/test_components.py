@@ -169,6 +169,23 @@ def test_eval_spe_reuses_its_mixing_until_a_parameter_changes(gated):
         torch.testing.assert_close(updated, layer(x).detach())
 
 
+def test_spe_built_under_inference_mode_sees_its_parameters_change():
+    """Parameters made under ``torch.inference_mode`` have no version counter: the mixing is then rebuilt at
+    every forward, never kept stale; and noise drawn under inference_mode is not cached for a later forward with
+    gradients, which could not save it for backward."""
+    x = torch.randn(1, 5, 16)
+    with torch.inference_mode():
+        layer = lrpe_hf.LinearAttention(16, 2, positional_encoding="spe_sine", causal=True).eval()
+        first = layer(x)
+        layer.shared_codes.amplitudes.mul_(2.0)
+        assert not torch.allclose(layer(x), first)
+    trained = lrpe_hf.LinearAttention(16, 2, positional_encoding="spe_sine", causal=True).eval()
+    with torch.inference_mode():
+        trained(x)
+    trained(x).sum().backward()  # eval mode with gradients after an inference-mode forward: nothing cached is kept
+    assert trained.shared_codes.amplitudes.grad is not None
+
+
 def test_conv_spe_codes_depend_on_position_not_on_the_batch_window():
     """Eval-mode noise is a function of absolute position: a token gets the same codes in any window."""
     codes = ConvSPECodes(num_heads=1, head_dim=4, num_realizations=8, kernel_size=5).eval()

@@ -147,8 +147,11 @@ class SPECodes(Reinitialisable):
         return SPEDraw(self, device or next(self.parameters()).device)
 
     def seeded_tensor(self, name: str, shape: tuple, device) -> torch.Tensor:
-        """The deterministic noise named ``name`` (cached: eval-mode draws reuse it at every forward)."""
+        """The deterministic noise named ``name`` (cached: eval-mode draws reuse it at every forward; not a tensor
+        made under inference_mode, which a later forward with gradients could not save for backward)."""
         key = (name, shape, str(device))
+        if torch.is_inference_mode_enabled() and key not in self._seeded_cache:
+            return seeded_normal(self.seed, (zlib.crc32(name.encode()),), shape).to(device)
         if key not in self._seeded_cache:
             self._seeded_cache[key] = seeded_normal(self.seed, (zlib.crc32(name.encode()),), shape).to(device)
         return self._seeded_cache[key]
@@ -157,7 +160,10 @@ class SPECodes(Reinitialisable):
         """``build()`` from the deterministic noise and the parameters, cached until a parameter changes (its
         storage or its version counter, which every in-place update such as an optimizer step advances): one
         build for every decoding step of an eval-mode model."""
-        key = tuple((p.data_ptr(), p._version) for p in self.parameters())
+        parameters = list(self.parameters())
+        if any(p.is_inference() for p in parameters):  # made under inference_mode: no version counter to watch
+            return build()
+        key = tuple((p.data_ptr(), p._version) for p in parameters)
         cached = self._seeded_cache.get(name)
         if cached is None or cached[0] != key:
             cached = self._seeded_cache[name] = (key, build())
