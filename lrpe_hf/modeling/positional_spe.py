@@ -141,7 +141,7 @@ class SPECodes(Reinitialisable):
         super().__init__()
         self.num_heads, self.head_dim = num_heads, head_dim
         self.num_realizations, self.position_dims, self.seed = num_realizations, position_dims, seed
-        self._block_cache, self._seeded_cache = {}, {}
+        self._block_cache, self._seeded_cache, self._product_cache = {}, {}, {}
 
     def draw(self, device=None) -> SPEDraw:
         return SPEDraw(self, device or next(self.parameters()).device)
@@ -150,11 +150,12 @@ class SPECodes(Reinitialisable):
         """The deterministic noise named ``name`` (cached: eval-mode draws reuse it at every forward; not a tensor
         made under inference_mode, which a later forward with gradients could not save for backward)."""
         key = (name, shape, str(device))
-        if torch.is_inference_mode_enabled() and key not in self._seeded_cache:
-            return seeded_normal(self.seed, (zlib.crc32(name.encode()),), shape).to(device)
-        if key not in self._seeded_cache:
-            self._seeded_cache[key] = seeded_normal(self.seed, (zlib.crc32(name.encode()),), shape).to(device)
-        return self._seeded_cache[key]
+        if key in self._seeded_cache:
+            return self._seeded_cache[key]
+        noise = seeded_normal(self.seed, (zlib.crc32(name.encode()),), shape).to(device)
+        if not torch.is_inference_mode_enabled():
+            self._seeded_cache[key] = noise
+        return noise
 
     def seeded_product(self, name: str, build) -> torch.Tensor:
         """``build()`` from the deterministic noise and the parameters, cached until a parameter changes (its
@@ -164,9 +165,9 @@ class SPECodes(Reinitialisable):
         if any(p.is_inference() for p in parameters):  # made under inference_mode: no version counter to watch
             return build()
         key = tuple((p.data_ptr(), p._version) for p in parameters)
-        cached = self._seeded_cache.get(name)
+        cached = self._product_cache.get(name)
         if cached is None or cached[0] != key:
-            cached = self._seeded_cache[name] = (key, build())
+            cached = self._product_cache[name] = (key, build())
         return cached[1]
 
     def seeded_block(self, index: tuple, block: int, channels: tuple) -> torch.Tensor:
