@@ -1,5 +1,6 @@
 """Building blocks against second implementations and the statistics they promise."""
 
+import fractions
 import math
 
 import pytest
@@ -11,7 +12,7 @@ from lrpe_hf import LearnedPositionEmbedding, SinusoidalPositionEmbedding
 from lrpe_hf.modeling.feature_maps import PerformerFeatureMap
 from lrpe_hf.modeling.positional_fastrpb import FastRelativePositionBias
 from lrpe_hf.modeling.positional_permute import CyclicPermutations
-from lrpe_hf.modeling.positional_spe import ConvSPECodes, SineSPECodes, TableMixing
+from lrpe_hf.modeling.positional_spe import ConvSPECodes, SineMixing, SineSPECodes, sine_table
 
 
 # ---------------------------------------------------------------- FastRPB
@@ -115,23 +116,55 @@ def test_spe_monte_carlo_kernel_converges_as_realizations_grow(variant):
     assert errors[2] < 0.05
 
 
-@pytest.mark.parametrize("table_rows", [1, 2])
-def test_sine_spe_table_mixing_in_blocks_has_the_plain_values_and_gradients(table_rows, monkeypatch):
-    """sum_{d,j} x_d table_dj M_(dj)r in blocks of 16 tokens (41 tokens: two full blocks and a ragged one), the
-    table shared by the batch or one per row: values and every gradient of the written-out product."""
-    monkeypatch.setattr(TableMixing, "BLOCK_ELEMENTS", 1)
+def written_out_sine_table(rows, frequencies):
+    """[cos, sin](2 pi f . p) from the formula, differentiable in f: rows (B', N, A), f (A, H, D, K) ->
+    (B', H, N, 2K, D)."""
+    phase = 2 * math.pi * torch.einsum("bna,ahdk->bhnkd", rows.to(frequencies.dtype), frequencies)
+    return torch.cat([phase.cos(), phase.sin()], dim=3)
+
+
+@pytest.mark.parametrize("table_rows, position_dims", [(1, 1), (2, 1), (2, 2)])
+def test_sine_spe_mixing_in_blocks_has_the_values_and_gradients_of_the_written_out_product(
+    table_rows, position_dims, monkeypatch
+):
+    """sum_{j,d} x_d table_jd M_(jd)r with table = [cos, sin](2 pi f . p), one token per block, the table shared by
+    the batch or one per row, 1D and 2D positions: values, and the gradients of x, M and the frequencies f, against
+    autograd through the written-out table."""
+    monkeypatch.setattr(SineMixing, "BLOCK_ELEMENTS", 1)
     torch.manual_seed(0)
-    B, H, N, D, J, R = 2, 3, 41, 4, 6, 5
+    B, H, N, D, K, R = 2, 3, 7, 4, 3, 5
     x = torch.randn(B, H, N, D, dtype=torch.float64, requires_grad=True)
-    table = torch.randn(table_rows, H, N, D, J, dtype=torch.float64, requires_grad=True)
-    mixing = torch.randn(H, D * J, R, dtype=torch.float64, requires_grad=True)
-    got = TableMixing.apply(x, table, mixing)
-    expected = torch.einsum("bhnd,bhndj,hdjr->bhnr", x, table.expand(B, -1, -1, -1, -1), mixing.view(H, D, J, R))
+    frequencies = (0.3 * torch.rand(position_dims, H, D, K, dtype=torch.float64)).requires_grad_()
+    mixing = torch.randn(H, 2 * K * D, R, dtype=torch.float64, requires_grad=True)
+    rows = torch.randint(0, 50, (table_rows, N, position_dims))
+    table = sine_table(rows, frequencies.detach(), torch.float64)
+    written_out = written_out_sine_table(rows, frequencies)
+    torch.testing.assert_close(table, written_out.detach())
+    got = SineMixing.apply(x, mixing, frequencies, table, rows)
+    expected = torch.einsum(
+        "bhnd,bhnjd,hjdr->bhnr", x, written_out.expand(B, -1, -1, -1, -1), mixing.view(H, 2 * K, D, R)
+    )
     torch.testing.assert_close(got, expected)
     grad = torch.randn_like(got)
-    inputs = (x, table, mixing)
+    inputs = (x, mixing, frequencies)
     for g, w in zip(torch.autograd.grad(got, inputs, grad), torch.autograd.grad(expected, inputs, grad)):
         torch.testing.assert_close(g, w)
+
+
+def test_sine_spe_table_is_exact_at_large_positions():
+    """The phase 2 pi f p is reduced modulo one cycle exactly (float32 frequencies, positions past a million):
+    against Python's exact rational arithmetic."""
+    torch.manual_seed(0)
+    frequencies = 0.5 * torch.rand(1, 1, 2, 3)
+    rows = torch.tensor([[[0], [7], [1_000_003], [16_777_215]]])
+    table = sine_table(rows, frequencies, torch.float32)
+    for n, p in enumerate(rows[0, :, 0].tolist()):
+        for d in range(2):
+            for k in range(3):
+                cycles = fractions.Fraction(float(frequencies[0, 0, d, k])) * p
+                phase = 2 * math.pi * float(cycles - math.floor(cycles))
+                assert abs(float(table[0, 0, n, k, d]) - math.cos(phase)) < 1e-6
+                assert abs(float(table[0, 0, n, 3 + k, d]) - math.sin(phase)) < 1e-6
 
 
 def test_spe_draws_are_random_in_training_and_repeatable_in_eval():

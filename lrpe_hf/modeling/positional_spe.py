@@ -53,9 +53,10 @@ def seeded_normal(seed: int, key: tuple, shape: tuple) -> torch.Tensor:
 class SPEDraw:
     """One draw of the SPE noise for one forward pass; every layer that uses it sees the same codes.
 
-    The position tables built from the shared kernels (``cached``) carry gradients to them. ``tables()`` lists
-    them and ``with_tables()`` swaps them, so that a model can hand them to each layer as explicit tensor
-    inputs: reentrant gradient checkpointing then routes each layer's gradient into the shared graph once.
+    The position tables built from the shared kernels (``cached``) can carry gradients to them (convSPE's codes;
+    sineSPE's table is a constant that its mixing differentiates). ``tables()`` lists them and ``with_tables()``
+    swaps them, so that a model can hand them to each layer as explicit tensor inputs: reentrant gradient
+    checkpointing then routes each layer's gradient into the shared graph once.
     """
 
     GRID_BLOCK = {1: 256, 2: 16}
@@ -227,23 +228,19 @@ class SineSPECodes(SPECodes):
         return (self.amplitudes.double()[:, :, None, :] ** 2 * phase.cos()).mean(-1)
 
     def position_table(self, positions, draw):
-        """[cos, sin](2 pi f . p) for every (head, dim, sine): (B', H, N, D, 2K), shared by queries, keys and
-        every layer using the draw. The cycles are reduced modulo 1 in float64 so large positions stay exact."""
-
-        def build(rows):
-            cycles = torch.einsum("bna,ahdk->bhndk", rows.double(), self.frequencies.double())
-            phase = (2 * math.pi) * torch.frac(cycles).to(torch.promote_types(self.frequencies.dtype, torch.float32))
-            return torch.cat([phase.cos(), phase.sin()], dim=-1)
-
-        return draw.cached("sine_table", positions, build)
+        """[cos, sin](2 pi f . p) for every (head, sine, dim): (B', H, N, 2K, D), the cosines first, shared by
+        queries, keys and every layer using the draw. A constant: the frequencies' gradient comes from the mixing
+        (``SineMixing``), which knows the table's derivative."""
+        dtype = torch.promote_types(self.frequencies.dtype, torch.float32)
+        return draw.cached("sine_table", positions, lambda rows: sine_table(rows, self.frequencies.detach(), dtype))
 
     def prepare(self, draw, positions):
         self.position_table(positions, draw)
 
     def mixing_matrix(self, draw, is_query, dtype):
         """The noise Z folded with amplitudes / sqrt(K) and, for queries, the phase rotation
-        cos(a + theta) = cos a cos theta - sin a sin theta: (H, D, 2K, R), shared by the layers of a draw where
-        no gradient is wanted."""
+        cos(a + theta) = cos a cos theta - sin a sin theta: (H, 2K, D, R), in the table's order, shared by the
+        layers of a draw where no gradient is wanted."""
         H, D, K, R = self.num_heads, self.head_dim, self.num_sines, self.num_realizations
 
         def build():
@@ -253,12 +250,14 @@ class SineSPECodes(SPECodes):
                 c, s = self.phases.cos()[..., None], self.phases.sin()[..., None]
                 cos_part, sin_part = c * cos_part + s * sin_part, c * sin_part - s * cos_part
             scale = self.amplitudes[..., None] / math.sqrt(K)
-            return torch.cat([scale * cos_part, scale * sin_part], dim=2).to(dtype)
+            mixing = torch.cat([scale * cos_part, scale * sin_part], dim=2)  # (H, D, 2K, R)
+            return mixing.transpose(1, 2).contiguous().to(dtype)
 
         return draw.shared_by_layers(f"sine_{'query' if is_query else 'key'}_mixing_{dtype}", build)
 
     def encode(self, x, positions, draw, gate, is_query):
-        table = self.position_table(positions, draw).to(x.dtype)  # (B', H, N, D, 2K)
+        table = self.position_table(positions, draw).to(x.dtype)  # (B', H, N, 2K, D)
+        rows = positions[: table.shape[0]]  # the positions the table was built from (see distinct_rows)
         mixing = self.mixing_matrix(draw, is_query, x.dtype)
         mixed_x = x
         if gate is not None:  # the gate's sqrt(1 - delta_d) scales x or the mixing matrix, whichever is smaller
@@ -266,71 +265,107 @@ class SineSPECodes(SPECodes):
             if x.numel() < mixing.numel():
                 mixed_x = x * keep[None, :, None]
             else:
-                mixing = mixing * keep[..., None, None]
-        mixing = mixing.flatten(1, 2)  # (H, D * 2K, R)
-        if wants_gradient(mixed_x, table, mixing):
-            out = TableMixing.apply(mixed_x, table, mixing)
+                mixing = mixing * keep[:, None, :, None]
+        mixing = mixing.flatten(1, 2)  # (H, 2K * D, R)
+        if wants_gradient(mixed_x, mixing, self.frequencies):
+            out = SineMixing.apply(mixed_x, mixing, self.frequencies, table, rows)
         else:
-            out = TableMixing.mix(mixed_x, table, mixing)
+            out = SineMixing.mix(mixed_x, table, mixing)
         if gate is not None:
             out = out + (x * gate.sqrt().to(x.dtype)[None, :, None]) @ self.gate_noise(draw).to(x.dtype)[None]
         return self._normalise(out)
 
 
-class TableMixing(torch.autograd.Function):
-    """sum_{d, j} x_d table_dj M_(dj)r: x (B, H, N, D), table (B', H, N, D, J) with B' 1 or B, M (H, D * J, R) ->
-    (B, H, N, R). A block of tokens at a time, so that the products x_d table_dj ((N, D * J) per head, 20 times
-    the size of x for sineSPE's defaults) are never made for the whole input, nor saved: backward recomputes
-    them block by block."""
+def token_blocks(num_tokens: int, elements_per_token: int, block_elements: int) -> list[slice]:
+    """Slices of consecutive tokens holding about ``block_elements`` elements each (at least one token)."""
+    step = max(1, block_elements // elements_per_token)
+    return [slice(start, start + step) for start in range(0, num_tokens, step)]
 
-    BLOCK_ELEMENTS = 1 << 21  # elements of one block's products (8 MB in float32)
+
+SINE_TABLE_BLOCK_ELEMENTS = 1 << 17  # float64 cycles of one block: 1 MB, so the block's passes stay in cache
+
+
+def sine_table(rows: torch.Tensor, frequencies: torch.Tensor, dtype) -> torch.Tensor:
+    """[cos, sin](2 pi f . p): rows (B', N, A), frequencies (A, H, D, K) -> (B', H, N, 2K, D). The cycles f . p are
+    reduced modulo 1 in float64, so large positions stay exact, a block of tokens at a time."""
+    B, N, A = rows.shape
+    _, H, D, K = frequencies.shape
+    table = torch.empty(B, H, N, 2 * K, D, dtype=dtype, device=frequencies.device)
+    f = frequencies.transpose(-1, -2).double()[:, :, None]  # (A, H, 1, K, D)
+    for tokens in token_blocks(N, B * H * K * D, SINE_TABLE_BLOCK_ELEMENTS):
+        p = rows[:, None, tokens, None, None, :].double()  # (B', 1, T, 1, 1, A)
+        cycles = p[..., 0] * f[0]
+        for a in range(1, A):
+            cycles += p[..., a] * f[a]
+        phase = cycles.frac_().to(dtype).mul_(2 * math.pi)  # (B', H, T, K, D)
+        torch.cos(phase, out=table[:, :, tokens, :K])
+        torch.sin(phase, out=table[:, :, tokens, K:])
+    return table
+
+
+class SineMixing(torch.autograd.Function):
+    """sum_{j, d} x_d table_jd M_(jd)r for sineSPE: x (B, H, N, D), the table [cos, sin](2 pi f . p) (B', H, N, 2K, D)
+    with B' 1 or B, M (H, 2K * D, R) -> (B, H, N, R). The gradient goes to x, M and the frequencies f (A, H, D, K)
+    the table was built from, through d cos(2 pi f . p) / df_a = -2 pi p_a sin and d sin / df_a = 2 pi p_a cos: the
+    table itself is a constant here, and neither its gradient nor the products x_d table_jd (20 times the size of
+    x for the defaults) are ever made for the whole input. Forward and backward work a block of tokens at a time,
+    small enough to stay in cache; backward recomputes the products."""
+
+    BLOCK_ELEMENTS = 1 << 19  # elements of one block's products (2 MB in float32)
 
     @staticmethod
     def blocks(x, table):
         B, H, N, D = x.shape
-        step = max(16, TableMixing.BLOCK_ELEMENTS // (B * H * D * table.shape[-1]))
-        return [slice(start, start + step) for start in range(0, N, step)]
+        return token_blocks(N, B * H * D * table.shape[3], SineMixing.BLOCK_ELEMENTS)
 
     @staticmethod
     def products(x, table, tokens):
-        """x_d table_dj for a block of tokens: (B, H, T, D * J)."""
-        return (x[:, :, tokens, :, None] * table[:, :, tokens]).flatten(-2)
+        """x_d table_jd for a block of tokens: (B, H, T, 2K * D)."""
+        return (x[:, :, tokens, None, :] * table[:, :, tokens]).flatten(-2)
 
     @staticmethod
     def mix(x, table, mixing):
         """The product itself, without autograd's bookkeeping."""
-        blocks = TableMixing.blocks(x, table)
+        blocks = SineMixing.blocks(x, table)
         if len(blocks) == 1:
-            return TableMixing.products(x, table, blocks[0]) @ mixing
+            return SineMixing.products(x, table, blocks[0]) @ mixing
         out = x.new_empty(*x.shape[:-1], mixing.shape[-1])
         for tokens in blocks:
-            out[:, :, tokens] = TableMixing.products(x, table, tokens) @ mixing
+            out[:, :, tokens] = SineMixing.products(x, table, tokens) @ mixing
         return out
 
     @staticmethod
-    def forward(ctx, x, table, mixing):
-        ctx.save_for_backward(x, table, mixing)
-        return TableMixing.mix(x, table, mixing)
+    def forward(ctx, x, mixing, frequencies, table, rows):
+        ctx.save_for_backward(x, mixing, table, rows)
+        ctx.frequencies_dtype = frequencies.dtype
+        return SineMixing.mix(x, table, mixing)
 
     @staticmethod
     def backward(ctx, grad):
-        x, table, mixing = ctx.saved_tensors
-        B, H, N, D = x.shape
+        x, mixing, table, rows = ctx.saved_tensors
+        K = table.shape[3] // 2
+        accumulate = torch.promote_types(x.dtype, torch.float32)  # positions times gradients: never in bf16
         grad_x = torch.empty_like(x)
-        grad_table = torch.empty_like(table) if ctx.needs_input_grad[1] else None
-        grad_mixing = torch.zeros_like(mixing) if ctx.needs_input_grad[2] else None
-        for tokens in TableMixing.blocks(x, table):
-            g = grad[:, :, tokens]
-            grad_products = (g @ mixing.transpose(-1, -2)).unflatten(-1, (D, -1))  # (B, H, T, D, J)
-            grad_x[:, :, tokens] = (grad_products * table[:, :, tokens]).sum(-1)
-            if grad_table is not None:
-                if table.shape[0] == B:
-                    torch.mul(grad_products, x[:, :, tokens, :, None], out=grad_table[:, :, tokens])
-                else:  # one table for the batch: its gradient sums over the rows
-                    grad_table[:, :, tokens] = (grad_products * x[:, :, tokens, :, None]).sum(0, keepdim=True)
+        grad_mixing = torch.zeros_like(mixing) if ctx.needs_input_grad[1] else None
+        grad_frequencies = 0 if ctx.needs_input_grad[2] else None
+        for tokens in SineMixing.blocks(x, table):
+            g, block = grad[:, :, tokens], table[:, :, tokens]
+            grad_products = (g @ mixing.transpose(-1, -2)).unflatten(-1, block.shape[3:])  # (B, H, T, 2K, D)
+            grad_x[:, :, tokens] = (grad_products * block).sum(-2)
             if grad_mixing is not None:
-                grad_mixing += (TableMixing.products(x, table, tokens).transpose(-1, -2) @ g).sum(0)
-        return grad_x, grad_table, grad_mixing
+                grad_mixing += (SineMixing.products(x, table, tokens).transpose(-1, -2) @ g).sum(0)
+            if grad_frequencies is not None:
+                # the table's gradient x_d dL/d(products), folded at once into the frequencies':
+                # sum_{b, t} p_a x_d (g_sin cos - g_cos sin), for each (head, sine, dim)
+                cos, sin = block[:, :, :, :K], block[:, :, :, K:]
+                slope = torch.addcmul(grad_products[:, :, :, K:] * cos, grad_products[:, :, :, :K], sin, value=-1)
+                slope = (slope * x[:, :, tokens, None, :]).to(accumulate).flatten(-2)  # (B, H, T, K * D)
+                p = rows[:, tokens].to(accumulate).transpose(-1, -2)[:, None]  # (B', 1, A, T)
+                grad_frequencies = grad_frequencies + (p @ slope).sum(0)  # (H, A, K * D)
+        if grad_frequencies is not None:
+            grad_frequencies = (2 * math.pi) * grad_frequencies.unflatten(-1, (K, -1)).permute(1, 0, 3, 2)
+            grad_frequencies = grad_frequencies.to(ctx.frequencies_dtype)
+        return grad_x, grad_mixing, grad_frequencies, None, None
 
 
 class ConvSPECodes(SPECodes):
