@@ -25,25 +25,41 @@ def toeplitz_apply(lag_weights: torch.Tensor, values: torch.Tensor) -> torch.Ten
     return ToeplitzProduct.apply(lag_weights, values)
 
 
+TRANSPOSE_BLOCK = 256  # tokens per block of the transposing copy into the FFT's buffer
+
+
 def spectrum(x: torch.Tensor, n: int) -> torch.Tensor:
-    """The real FFT of length n along the sequence of x (B, H, S, d), in float32 at least (the FFT has no
-    half-precision CPU kernels): (B, H, d, n // 2 + 1), each transform over contiguous memory."""
-    return torch.fft.rfft(x.to(torch.promote_types(x.dtype, torch.float32)).transpose(-1, -2), n=n, dim=-1)
+    """The real FFT of length n along the sequence of x (B, H, S, d), zero-padded, in float32 at least (the FFT has
+    no half-precision CPU kernels): (B, H, d, n // 2 + 1). x is copied once, transposed into the padded buffer a
+    block of tokens at a time, so that each transform reads contiguous memory."""
+    S, d = x.shape[-2:]
+    padded = x.new_empty(*x.shape[:-2], d, n, dtype=torch.promote_types(x.dtype, torch.float32))
+    for start in range(0, S, TRANSPOSE_BLOCK):  # on a CPU a whole transposing copy runs several times slower
+        stop = min(start + TRANSPOSE_BLOCK, S)
+        padded[..., start:stop] = x[..., start:stop, :].transpose(-1, -2)
+    padded[..., S:] = 0.0
+    return torch.fft.rfft(padded, dim=-1)
+
+
+def toeplitz_from_spectrum(lag_weights: torch.Tensor, values_spectrum: torch.Tensor, S: int, n: int) -> torch.Tensor:
+    """W V from the spectrum of V (``spectrum(values, n)``), n >= 2S - 1 so that the kept outputs are free of
+    circular wrap-around: (B, H, S, d), in the spectrum's real dtype."""
+    kernel = torch.fft.rfft(lag_weights.to(values_spectrum.real.dtype), n=n, dim=-1)
+    full = torch.fft.irfft(kernel[None, :, None, :] * values_spectrum, n=n, dim=-1)
+    return full[..., S - 1 : 2 * S - 1].transpose(-1, -2)
 
 
 def toeplitz_fft(lag_weights: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """The product of ``toeplitz_apply``, in float32 at least."""
     S = values.shape[-2]
-    n = fast_fft_size(2 * S - 1)  # at least 2S - 1: the kept outputs are free of circular wrap-around
-    kernel = torch.fft.rfft(lag_weights.to(torch.promote_types(values.dtype, torch.float32)), n=n, dim=-1)
-    full = torch.fft.irfft(kernel[None, :, None, :] * spectrum(values, n), n=n, dim=-1)
-    return full[..., S - 1 : 2 * S - 1].transpose(-1, -2)
+    n = fast_fft_size(2 * S - 1)
+    return toeplitz_from_spectrum(lag_weights, spectrum(values, n), S, n)
 
 
 class ToeplitzProduct(torch.autograd.Function):
     """``toeplitz_apply`` saving its inputs only, where autograd through the FFTs kept two spectra of the
     values' size. Backward: grad_values = W^T grad, the same product with the lags mirrored; grad_w[lag] =
-    sum over s - t = lag of grad_s . v_t, a cross-correlation, also by FFT."""
+    sum over s - t = lag of grad_s . v_t, a cross-correlation, also by FFT; both from one spectrum of grad."""
 
     @staticmethod
     def forward(ctx, lag_weights, values):
@@ -53,13 +69,15 @@ class ToeplitzProduct(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         lag_weights, values = ctx.saved_tensors
-        grad_values = toeplitz_fft(lag_weights.flip(-1), grad).to(values.dtype) if ctx.needs_input_grad[1] else None
-        grad_weights = None
+        S = values.shape[-2]
+        n = fast_fft_size(2 * S - 1)
+        grad_spectrum = spectrum(grad, n)
+        grad_values = grad_weights = None
+        if ctx.needs_input_grad[1]:
+            grad_values = toeplitz_from_spectrum(lag_weights.flip(-1), grad_spectrum, S, n).to(values.dtype)
         if ctx.needs_input_grad[0]:
-            S = values.shape[-2]
-            n = fast_fft_size(2 * S - 1)
             # c[lag] = sum_s grad_s v_{s - lag}, circular over n >= 2S - 1, so lags -(S-1)..(S-1) do not wrap
-            correlation = torch.fft.irfft((spectrum(grad, n) * spectrum(values, n).conj()).sum((0, 2)), n=n, dim=-1)
+            correlation = torch.fft.irfft((grad_spectrum * spectrum(values, n).conj()).sum((0, 2)), n=n, dim=-1)
             grad_weights = torch.cat([correlation[:, n - S + 1 :], correlation[:, :S]], dim=-1).to(lag_weights.dtype)
         return grad_weights, grad_values
 
