@@ -353,9 +353,10 @@ def test_rope_rotation_matches_rotary_embedding_torch():
 @pytest.mark.parametrize("width", [6, 7])  # 7: one feature passes through unrotated
 @pytest.mark.parametrize("tokens_first", [False, True])  # the projections' layout: pairs read in place (width 6)
 def test_rotation_of_queries_and_keys_has_the_gradients_of_the_written_out_rotation(width, tokens_first):
-    """The lighter backward (outputs turned back by -angle) against autograd through the real 2x2 rotation
-    [e cos - o sin, e sin + o cos], angles broadcast over the batch and learnable as for LRPE's Type 2; and the
-    plain path without autograd (decoding) gives the same rotation."""
+    """The lighter backward (outputs turned back by -angle, the angles recomputed from the positions) against
+    autograd through the real 2x2 rotation [e cos - o sin, e sin + o cos], angles position * theta shared by the
+    batch, theta learnable as for LRPE's Type 2; and the plain path without autograd (decoding) gives the same
+    rotation."""
     from lrpe_hf.modeling.positional_rope import rotate_queries_and_keys
 
     torch.manual_seed(0)
@@ -366,43 +367,53 @@ def test_rotation_of_queries_and_keys_has_the_gradients_of_the_written_out_rotat
         return torch.randn(2, 3, 5, width, dtype=torch.float64, requires_grad=True)
 
     q, k = features(), features()
-    angles = (10 * torch.randn(1, 3, 5, 3, dtype=torch.float64)).requires_grad_()
+    theta = torch.rand(3, 3, dtype=torch.float64, requires_grad=True)  # (heads, pairs)
+    positions = torch.randint(0, 40, (1, 5, 1)).expand(2, -1, -1)
+    angles = positions.double()[:, None, :, 0, None] * theta[:, None, :]  # (1, 3, 5, 3)
 
     def written_out(x, cos, sin):
         even, odd, rest = x[..., 0:6:2], x[..., 1:6:2], x[..., 6:]
         rotated = torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1).flatten(-2)
         return torch.cat([rotated, rest], dim=-1)
 
-    ours = rotate_queries_and_keys(q, k, angles)
+    axis = torch.zeros(3, dtype=torch.long)
+    ours = rotate_queries_and_keys(q, k, positions, theta, axis)
     expected = written_out(q, angles.cos(), angles.sin()), written_out(k, angles.cos(), angles.sin())
     grads = [torch.randn_like(x) for x in expected]
     for got, want in zip(ours, expected):
         torch.testing.assert_close(got, want)
     with torch.no_grad():
-        for got, want in zip(rotate_queries_and_keys(q, k, angles), expected):
+        for got, want in zip(rotate_queries_and_keys(q, k, positions, theta, axis), expected):
             torch.testing.assert_close(got, want)
-    inputs = (q, k, angles)
+    inputs = (q, k, theta)
     got = torch.autograd.grad(ours, inputs, grads)
     want = torch.autograd.grad(expected, inputs, grads)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w)
 
 
-def test_unitary_lift_has_the_gradients_of_the_written_out_lift():
-    """LRPE Type 1's [x cos, x sin] with the lighter backward (x read back from the outputs) against autograd
-    through the written-out expression, angles broadcast over the batch and learnable."""
+@pytest.mark.parametrize("position_dims, same_rows", [(1, True), (1, False), (2, False)])
+def test_unitary_lift_has_the_gradients_of_the_written_out_lift(position_dims, same_rows):
+    """LRPE Type 1's [x cos, x sin], x = q, k, with angles position * alpha and the lighter backward (x read back
+    from the outputs, the angles recomputed from the positions) against autograd through the written-out
+    expression: the gradients of q, k and the learnable alpha; 1D and 2D positions, rows sharing them or not."""
+    from lrpe_hf.modeling.positional_encoding import axis_of_each
     from lrpe_hf.modeling.positional_lrpe import UnitaryLift
 
     torch.manual_seed(0)
-    q, k = (torch.randn(2, 3, 5, 4, dtype=torch.float64, requires_grad=True) for _ in range(2))
-    angles = (10 * torch.randn(1, 3, 5, 4, dtype=torch.float64)).requires_grad_()
-    ours = UnitaryLift.apply(q, k, angles)
+    B, H, N, m = 2, 3, 5, 4
+    q, k = (torch.randn(B, H, N, m, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    alpha = torch.rand(H, m, dtype=torch.float64, requires_grad=True)
+    axis = axis_of_each(m, position_dims)
+    positions = torch.randint(0, 40, (1 if same_rows else B, N, position_dims))
+    ours = UnitaryLift.apply(q, k, positions.expand(B, -1, -1), alpha, axis)
+    angles = positions.double()[:, None, :, axis] * alpha[:, None, :]  # (B', H, N, m)
     expected = [torch.cat([x * angles.cos(), x * angles.sin()], dim=-1) for x in (q, k)]
     grads = [torch.randn_like(x) for x in expected]
     for got, want in zip(ours, expected):
         torch.testing.assert_close(got, want)
     for g, w in zip(
-        torch.autograd.grad(ours, (q, k, angles), grads), torch.autograd.grad(expected, (q, k, angles), grads)
+        torch.autograd.grad(ours, (q, k, alpha), grads), torch.autograd.grad(expected, (q, k, alpha), grads)
     ):
         torch.testing.assert_close(g, w)
 

@@ -89,3 +89,13 @@ def unit_angles(positions: torch.Tensor, frequencies: torch.Tensor, axis: torch.
         coordinates = coordinates[..., axis]  # (B', N, U); in 1D the one axis broadcasts over the units
     angles = torch.remainder(coordinates[:, None] * frequencies[:, None], 2 * math.pi)  # in float64
     return angles.to(torch.promote_types(dtype, torch.float32))
+
+
+def frequency_gradient(grad_angles: torch.Tensor, positions: torch.Tensor, axis: torch.Tensor) -> torch.Tensor:
+    """The gradient of the frequencies (H, U) of ``unit_angles`` from that of its angles (B, H, N, U): for each
+    unit, the sum over rows and tokens of the position along the unit's axis times the angle's gradient (the
+    reduction modulo 2 pi has derivative one). positions (B or 1, N, A)."""
+    wide = torch.promote_types(grad_angles.dtype, torch.float32)
+    coordinates = positions.to(wide).transpose(-1, -2)[:, None]  # (B, 1, A, N)
+    per_axis = (coordinates @ grad_angles.to(wide)).sum(0)  # (H, A, U)
+    return per_axis.gather(1, axis.expand(per_axis.shape[0], 1, -1)).squeeze(1)

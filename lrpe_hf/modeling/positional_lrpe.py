@@ -22,7 +22,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from .gradients import wants_gradient
-from .positional_encoding import PositionalEncoding, axis_of_each, unit_angles
+from .positional_encoding import PositionalEncoding, axis_of_each, frequency_gradient, unit_angles
 from .positional_permute import PermutePositionalEncoding
 from .positional_rope import RotaryPositionalEncoding, rotary_frequencies
 from .reinitialisable import Reinitialisable
@@ -103,9 +103,10 @@ class LRPEUnitary(PositionalEncoding):
         return cls(num_heads, feature_dim, p, o.position_dims, o.lrpe_learnable_angles, o.rope_base)
 
     def encode_features(self, q, k, positions):
-        angles = unit_angles(positions, self.angles, self.axis, q.dtype)
         q, k = self.p(q), self.p(k)
-        return UnitaryLift.apply(q, k, angles) if wants_gradient(q, k, angles) else lift(q, k, angles)
+        if wants_gradient(q, k, self.angles):
+            return UnitaryLift.apply(q, k, positions, self.angles, self.axis)
+        return lift(q, k, unit_angles(positions, self.angles, self.axis, q.dtype))
 
 
 def lift(q, k, angles):
@@ -115,19 +116,21 @@ def lift(q, k, angles):
 
 
 class UnitaryLift(torch.autograd.Function):
-    """[x cos, x sin] for x = q and k, (B, H, N, m) -> (B, H, N, 2m), with ``angles`` (B', H, N, m), B' 1 or B.
-    Saves the outputs (the attention keeps them anyway) and the angles: backward needs x only through the
-    outputs, the angles' gradient being sum grad_sin * y_cos - grad_cos * y_sin."""
+    """[x cos, x sin] for x = q and k, (B, H, N, m) -> (B, H, N, 2m), with the angles position * alpha
+    (``unit_angles`` of positions (B, N, A), alpha (H, m), axis (m,)). Saves the outputs (the attention keeps them
+    anyway) and the positions: backward recomputes the angles, needs x only through the outputs, and turns the
+    angles' gradient sum grad_sin * y_cos - grad_cos * y_sin into alpha's (``frequency_gradient``)."""
 
     @staticmethod
-    def forward(ctx, q, k, angles):
-        lifted = lift(q, k, angles)
-        ctx.save_for_backward(*lifted, angles)
+    def forward(ctx, q, k, positions, alpha, axis):
+        lifted = lift(q, k, unit_angles(positions, alpha.detach(), axis, q.dtype))
+        ctx.save_for_backward(*lifted, positions, alpha, axis)
         return lifted
 
     @staticmethod
     def backward(ctx, grad_q, grad_k):
-        *lifted, angles = ctx.saved_tensors
+        *lifted, positions, alpha, axis = ctx.saved_tensors
+        angles = unit_angles(positions, alpha, axis, lifted[0].dtype)
         m = angles.shape[-1]
         cos, sin = angles.cos().to(lifted[0].dtype), angles.sin().to(lifted[0].dtype)
         grads, grad_angles = [], 0
@@ -137,11 +140,13 @@ class UnitaryLift(torch.autograd.Function):
                 continue
             grad_along_cos, grad_along_sin = grad.split(m, dim=-1)
             grads.append(grad_along_cos * cos + grad_along_sin * sin)
-            if ctx.needs_input_grad[2]:  # y_cos = x cos, y_sin = x sin: d/d angle = (-y_sin, y_cos)
+            if ctx.needs_input_grad[3]:  # y_cos = x cos, y_sin = x sin: d/d angle = (-y_sin, y_cos)
                 along_cos, along_sin = y.split(m, dim=-1)
                 grad_angles = grad_angles + grad_along_sin * along_cos - grad_along_cos * along_sin
-        grad_angles = grad_angles.sum_to_size(angles.shape).to(angles.dtype) if ctx.needs_input_grad[2] else None
-        return *grads, grad_angles
+        grad_alpha = None
+        if ctx.needs_input_grad[3]:
+            grad_alpha = frequency_gradient(grad_angles, positions, axis).to(alpha.dtype)
+        return *grads, None, grad_alpha, None
 
 
 class LRPEOrthogonal(PositionalEncoding):

@@ -7,7 +7,7 @@ half of the pairs follows the row and the second half the column, each half with
 import torch
 
 from .gradients import wants_gradient
-from .positional_encoding import PositionalEncoding, axis_of_each, unit_angles, units_per_axis
+from .positional_encoding import PositionalEncoding, axis_of_each, frequency_gradient, unit_angles, units_per_axis
 
 
 def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -57,19 +57,21 @@ def rotate_by_angles(q, k, angles):
 
 
 class RotateQueriesAndKeys(torch.autograd.Function):
-    """The pair rotation of q and k (float32 or float64) by the same ``angles``, saving only the rotated outputs
-    (the attention saves them too) and the angles: backward turns the gradient back by -angle, and the angles'
-    gradient is Im(conj(y) grad) for each rotated pair y. q, k (B, H, N, m); angles (B', H, N, P), B' 1 or B."""
+    """The pair rotation of q and k (float32 or float64) by the angles position * theta (``unit_angles`` of
+    positions (B, N, A), theta (H, P), axis (P,)), saving only the rotated outputs (the attention saves them too)
+    and the positions: backward recomputes the angles, turns the gradient back by -angle, and gives theta's
+    gradient from the angles', Im(conj(y) grad) for each rotated pair y (``frequency_gradient``)."""
 
     @staticmethod
-    def forward(ctx, q, k, angles):
-        rotated = rotate_by_angles(q, k, angles)
-        ctx.save_for_backward(*rotated, angles)
+    def forward(ctx, q, k, positions, theta, axis):
+        rotated = rotate_by_angles(q, k, unit_angles(positions, theta.detach(), axis, q.dtype))
+        ctx.save_for_backward(*rotated, positions, theta, axis)
         return rotated
 
     @staticmethod
     def backward(ctx, grad_q, grad_k):
-        *rotated, angles = ctx.saved_tensors
+        *rotated, positions, theta, axis = ctx.saved_tensors
+        angles = unit_angles(positions, theta, axis, rotated[0].dtype)
         num_pairs = angles.shape[-1]
         inverse = unit_factors(-angles, rotated[0].dtype)
         grads, grad_angles = [], 0
@@ -78,19 +80,23 @@ class RotateQueriesAndKeys(torch.autograd.Function):
                 grads.append(None)
                 continue
             grads.append(multiply_pairs(grad, inverse))  # the rotation is orthogonal: its transpose turns back
-            if ctx.needs_input_grad[2]:  # d y / d angle = i y
+            if ctx.needs_input_grad[3]:  # d y / d angle = i y
                 grad_angles = grad_angles + (as_pairs(y, num_pairs).conj() * as_pairs(grad, num_pairs)).imag
-        grad_angles = grad_angles.sum_to_size(angles.shape).to(angles.dtype) if ctx.needs_input_grad[2] else None
-        return *grads, grad_angles
+        grad_theta = None
+        if ctx.needs_input_grad[3]:
+            grad_theta = frequency_gradient(grad_angles, positions, axis).to(theta.dtype)
+        return *grads, None, grad_theta, None
 
 
-def rotate_queries_and_keys(q, k, angles):
-    """q and k with their feature pairs rotated by ``angles`` (B', H, N, P): through ``RotateQueriesAndKeys``
-    where complex kernels apply (float32, float64), else in the real form."""
+def rotate_queries_and_keys(q, k, positions, theta, axis):
+    """q and k (B, H, N, m) with their feature pairs rotated by the angles position * theta (positions (B, N, A),
+    theta (H, P), axis (P,) the position axis of each pair): through ``RotateQueriesAndKeys`` where complex
+    kernels apply (float32, float64), else in the real form."""
     if q.dtype in (torch.float32, torch.float64) and k.dtype == q.dtype:
-        if wants_gradient(q, k, angles):
-            return RotateQueriesAndKeys.apply(q, k, angles)
-        return rotate_by_angles(q, k, angles)
+        if wants_gradient(q, k, theta):
+            return RotateQueriesAndKeys.apply(q, k, positions, theta, axis)
+        return rotate_by_angles(q, k, unit_angles(positions, theta, axis, q.dtype))
+    angles = unit_angles(positions, theta, axis, q.dtype)
     cos, sin = angles.cos().to(q.dtype), angles.sin().to(q.dtype)
     return rotate_pairs(q, cos, sin), rotate_pairs(k, cos, sin)
 
@@ -121,4 +127,4 @@ class RotaryPositionalEncoding(PositionalEncoding):
         return cls(num_heads, feature_dim, options.rope_base, options.position_dims)
 
     def encode_features(self, q, k, positions):
-        return rotate_queries_and_keys(q, k, unit_angles(positions, self.frequencies, self.axis, q.dtype))
+        return rotate_queries_and_keys(q, k, positions, self.frequencies, self.axis)
