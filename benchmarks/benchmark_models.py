@@ -164,7 +164,7 @@ def main():
         writer.writeheader()
         writer.writerows(rows)
     lines = [
-        "| task | model | tokens | seconds | tokens/s | peak MB | VmHWM MB | ms/token |",
+        "| task | model | tokens | seconds | tokens/s | peak MiB | VmHWM MiB | ms/token |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -202,12 +202,12 @@ def summary(rows, encodings):
             lines.append(f"- {name}: train step at 4096, overhead over none {100 * (at4k / none - 1):+.0f}%")
         memory = value(rows, "train", name, 8192, "peak_mb")
         if memory:
-            lines.append(f"- {name}: peak memory of a train step at 8192: {memory / 1024:.2f} GB")
+            lines.append(f"- {name}: peak memory of a train step at 8192: {memory / 1024:.2f} GiB")
         hwm, hwm_32k = value(rows, "train", name, 8192, "vm_hwm_mb"), value(rows, "train", name, 32768, "vm_hwm_mb")
         if hwm:
-            lines.append(f"- {name}: VmHWM of a train step at 8192 (first step included): {hwm / 1024:.2f} GB")
+            lines.append(f"- {name}: VmHWM of a train step at 8192 (first step included): {hwm / 1024:.2f} GiB")
         if hwm and hwm_32k:
-            lines.append(f"- {name}: VmHWM at 32768 = {hwm_32k / 1024:.2f} GB, {hwm_32k / hwm:.2f}x that at 8192")
+            lines.append(f"- {name}: VmHWM at 32768 = {hwm_32k / 1024:.2f} GiB, {hwm_32k / hwm:.2f}x that at 8192")
         at8k, at32k = value(rows, "train", name, 8192, "seconds"), value(rows, "train", name, 32768, "seconds")
         if at8k and at32k:
             lines.append(f"- {name}: train step at 32768 {at32k:.1f} s = {at32k / at8k:.2f}x that at 8192")
