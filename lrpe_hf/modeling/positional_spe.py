@@ -332,8 +332,11 @@ class SineMixing(torch.autograd.Function):
     def mix(x, table, mixing):
         """The product itself, without autograd's bookkeeping."""
         B, H, N, _ = x.shape
+        blocks = SineMixing.blocks(x, table)
+        if len(blocks) == 1:
+            return torch.bmm(SineMixing.products(x, table, blocks[0]), mixing).view(H, B, N, -1).transpose(0, 1)
         out = x.new_empty(H, B, N, mixing.shape[-1])
-        for tokens in SineMixing.blocks(x, table):
+        for tokens in blocks:
             out[:, :, tokens] = torch.bmm(SineMixing.products(x, table, tokens), mixing).view(H, B, -1, out.shape[-1])
         return out.transpose(0, 1)
 
