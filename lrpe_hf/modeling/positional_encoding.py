@@ -70,6 +70,14 @@ def units_per_axis(num_units: int, position_dims: int) -> list[int]:
     return [num_units] if position_dims == 1 else [(num_units + 1) // 2, num_units // 2]
 
 
+def token_blocks(num_tokens: int, elements_per_token: int, block_elements: int) -> list[slice]:
+    """Slices of consecutive tokens, within ``num_tokens``, holding about ``block_elements`` elements each (at
+    least one token): the blocks the positional transforms work in, small enough for a CPU's caches and for the
+    allocator's reused memory."""
+    step = max(1, block_elements // elements_per_token)
+    return [slice(start, min(start + step, num_tokens)) for start in range(0, num_tokens, step)]
+
+
 def distinct_rows(positions: torch.Tensor) -> torch.Tensor:
     """``positions[:1]`` when every batch row holds the same positions (the usual case), else ``positions``:
     position tables are then built once and broadcast over the batch."""

@@ -14,7 +14,7 @@ learns its own (a superset: equal weights recover the paper's form).
 import torch
 from torch.nn import functional as F
 
-from .positional_encoding import PositionalEncoding
+from .positional_encoding import PositionalEncoding, token_blocks
 from .positional_spe import fast_fft_size
 
 
@@ -34,9 +34,8 @@ def spectrum(x: torch.Tensor, n: int) -> torch.Tensor:
     block of tokens at a time, so that each transform reads contiguous memory."""
     S, d = x.shape[-2:]
     padded = x.new_empty(*x.shape[:-2], d, n, dtype=torch.promote_types(x.dtype, torch.float32))
-    for start in range(0, S, TRANSPOSE_BLOCK):  # on a CPU a whole transposing copy runs several times slower
-        stop = min(start + TRANSPOSE_BLOCK, S)
-        padded[..., start:stop] = x[..., start:stop, :].transpose(-1, -2)
+    for tokens in token_blocks(S, 1, TRANSPOSE_BLOCK):  # on a CPU a whole transposing copy runs several times slower
+        padded[..., tokens] = x[..., tokens, :].transpose(-1, -2)
     padded[..., S:] = 0.0
     return torch.fft.rfft(padded, dim=-1)
 

@@ -12,7 +12,7 @@ import math
 import torch
 
 from .gradients import wants_gradient
-from .positional_encoding import PositionalEncoding, distinct_rows
+from .positional_encoding import PositionalEncoding, distinct_rows, token_blocks
 from .reinitialisable import Reinitialisable, seeded_generator
 
 
@@ -82,10 +82,10 @@ class CyclicPermutations(Reinitialisable):
         present = [x for x in tensors if x is not None]
         B, H, N, size = present[0].shape
         outputs = [x.new_empty(B, H, N, size) for x in present]
-        step = max(1, self.BLOCK_ELEMENTS // (rows.shape[0] * H * size))
-        workspace = rows.new_empty(2 * rows.shape[0] * H * min(step, N) * size)
-        for start in range(0, N, step):
-            tokens = slice(start, start + step)
+        blocks = token_blocks(N, rows.shape[0] * H * size, self.BLOCK_ELEMENTS)
+        longest = max((tokens.stop - tokens.start for tokens in blocks), default=0)
+        workspace = rows.new_empty(2 * rows.shape[0] * H * longest * size)
+        for tokens in blocks:
             index = self.power_indices(rows[:, tokens], workspace).expand(B, -1, -1, -1)
             for x, out in zip(present, outputs):
                 torch.gather(x[:, :, tokens], -1, index, out=out[:, :, tokens])

@@ -34,7 +34,7 @@ import zlib
 import torch
 
 from .gradients import wants_gradient
-from .positional_encoding import PositionalEncoding, distinct_rows
+from .positional_encoding import PositionalEncoding, distinct_rows, token_blocks
 from .reinitialisable import Reinitialisable
 
 
@@ -274,12 +274,6 @@ class SineSPECodes(SPECodes):
         if gate is not None:
             out = out + (x * gate.sqrt().to(x.dtype)[None, :, None]) @ self.gate_noise(draw).to(x.dtype)[None]
         return self._normalise(out)
-
-
-def token_blocks(num_tokens: int, elements_per_token: int, block_elements: int) -> list[slice]:
-    """Slices of consecutive tokens holding about ``block_elements`` elements each (at least one token)."""
-    step = max(1, block_elements // elements_per_token)
-    return [slice(start, start + step) for start in range(0, num_tokens, step)]
 
 
 SINE_TABLE_BLOCK_ELEMENTS = 1 << 17  # float64 cycles of one block: 1 MB, so the block's passes stay in cache
