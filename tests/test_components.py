@@ -10,6 +10,7 @@ from torch.nn import functional as F
 import lrpe_hf
 from lrpe_hf import LearnedPositionEmbedding, SinusoidalPositionEmbedding
 from lrpe_hf.modeling.feature_maps import PerformerFeatureMap
+from lrpe_hf.modeling.positional_encoding import unit_angles
 from lrpe_hf.modeling.positional_fastrpb import FastRelativePositionBias
 from lrpe_hf.modeling.positional_permute import CyclicPermutations
 from lrpe_hf.modeling.positional_spe import ConvSPECodes, SineMixing, SineSPECodes, sine_table
@@ -167,6 +168,26 @@ def test_sine_spe_table_is_exact_at_large_positions():
                 # one would be off by up to f p 2^-24 cycles, 0.5 rad at 16.7M
                 assert abs(float(table[0, 0, n, k, d]) - math.cos(phase)) < 1e-6
                 assert abs(float(table[0, 0, n, 3 + k, d]) - math.sin(phase)) < 1e-6
+
+
+@pytest.mark.parametrize("sign", [1.0, -1.0])  # learned frequencies may turn negative
+def test_rotation_angles_are_exact_at_large_positions(sign):
+    """position * theta is reduced to less than one turn without losing the angle (float32 frequencies, positions
+    past a million): cos and sin against Python's of the exact product (p < 2^24 times a 24-bit mantissa fits
+    a float64), 1D and each axis of 2D positions."""
+    torch.manual_seed(0)
+    frequencies = sign * torch.rand(2, 4)  # (H, U): units 0, 1 follow the row, 2, 3 the column
+    axis = torch.tensor([0, 0, 1, 1])
+    rows = torch.tensor([[[0, 16_777_215], [7, 1_000_003], [1_000_003, 7], [16_777_215, 0]]])
+    for positions, unit_axis in ((rows[..., :1], torch.zeros(4, dtype=torch.long)), (rows, axis)):
+        angles = unit_angles(positions, frequencies, unit_axis, torch.float32)
+        for h in range(2):
+            for n in range(4):
+                for u in range(4):
+                    exact = float(positions[0, n, unit_axis[u]]) * float(frequencies[h, u])
+                    # 1e-6: the reduced angle is rounded to float32 (2 pi 2^-24 = 4e-7) before cos and sin
+                    assert abs(math.cos(float(angles[0, h, n, u])) - math.cos(exact)) < 1e-6
+                    assert abs(math.sin(float(angles[0, h, n, u])) - math.sin(exact)) < 1e-6
 
 
 def test_spe_draws_are_random_in_training_and_repeatable_in_eval():

