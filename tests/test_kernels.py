@@ -74,20 +74,44 @@ def test_causal_product_with_its_denominator_from_the_projections_layout(
     check_causal_against_quadratic(num_tokens, 4, gated, True, False, tokens_first=True, with_denominator=True)
 
 
+@pytest.mark.parametrize("num_tokens, chunk_size", [(28, 4), (28, 7), (16, 16), (76, 4), (29, 4)])
+@pytest.mark.parametrize("with_initial", [False, True])
+@pytest.mark.parametrize("tokens_first, with_denominator", [(False, False), (True, True)])
+@pytest.mark.parametrize("block_elements", [128, 1 << 20])
+def test_causal_product_with_one_decay_per_head_equals_the_quadratic_formula(
+    num_tokens, chunk_size, with_initial, tokens_first, with_denominator, block_elements, monkeypatch
+):
+    """PermuteFormer's decay over consecutive positions, one log gate per head at every token: where the inputs
+    fill whole chunks the ungated chunked product applies it itself (the general gated product must not run), in
+    blocks of one head and row or of several; 29 tokens in chunks of 4 take the gated product."""
+    monkeypatch.setattr(attention_kernels, "BLOCK_ELEMENTS", block_elements)
+    if num_tokens % chunk_size == 0:
+        monkeypatch.setattr(attention_kernels, "gated_chunks", None)  # calling it fails the test
+    check_causal_against_quadratic(
+        num_tokens, chunk_size, "per head", with_initial, False, tokens_first, with_denominator
+    )
+
+
 def check_causal_against_quadratic(
     num_tokens, chunk_size, gated, with_initial, with_resets, tokens_first=False, with_denominator=False
 ):
+    """``gated``: False, True (random log gates, with their gradient) or "per head" (one constant log gate per
+    head, without a gradient, as a decay by position gives)."""
     torch.manual_seed(0)
     B, H, N, m, dv = 2, 3, num_tokens, 5, 6
     shape = (B, N, H) if tokens_first else (B, H, N)
     leaves = [torch.rand(*shape, m, dtype=torch.float64, requires_grad=True) for _ in range(2)]
     leaves.append(torch.randn(*shape, dv, dtype=torch.float64, requires_grad=True))
     q, k, v = (x.transpose(1, 2) if tokens_first else x for x in leaves)
-    gates = (-torch.rand(B, H, N, dtype=torch.float64)).requires_grad_() if gated else None
+    gates = None
+    if gated == "per head":
+        gates = (-0.5 * torch.rand(1, H, 1, dtype=torch.float64)).expand(B, H, N).clone()
+    elif gated:
+        gates = (-torch.rand(B, H, N, dtype=torch.float64)).requires_grad_()
     state_width = dv + with_denominator  # the key sum as the state's last column
     initial = torch.randn(B, H, m, state_width, dtype=torch.float64, requires_grad=True) if with_initial else None
     resets = (torch.rand(B, N) < (0.15 if N > 1 else 0.5)) if with_resets else None
-    inputs = [x for x in (*leaves, gates, initial) if x is not None]
+    inputs = [x for x in (*leaves, gates, initial) if x is not None and x.requires_grad]
 
     out, denominator, final = causal_linear_attention(q, k, v, gates, initial, chunk_size, resets, with_denominator)
     assert (denominator is not None) == with_denominator
@@ -263,3 +287,19 @@ def test_running_sum_in_blocks_equals_cumsum(length, trailing):
 
     x = torch.randn(3, length, *trailing, dtype=torch.float64)
     torch.testing.assert_close(running_sum_(x.clone()), x.cumsum(1))
+
+
+@pytest.mark.parametrize("length", [1, 2, 15, 16, 17, 40])
+@pytest.mark.parametrize("reverse", [False, True])
+def test_decayed_running_sum_in_blocks_equals_the_step_by_step_recurrence(length, reverse):
+    """s_i = x_i + f s_{i-1} (or s_{i+1} with ``reverse``) per group, f in [0, 1] (0: nothing carries; 1: a plain
+    running sum), across the blocks of 16 steps and a ragged last block."""
+    from lrpe_hf.modeling.attention_kernels import decayed_running_sum_
+
+    x = torch.randn(4, length, 3, 5, dtype=torch.float64)
+    factor = torch.tensor([0.0, 0.3, 0.97, 1.0], dtype=torch.float64)
+    expected = x.clone()
+    order = range(length - 2, -1, -1) if reverse else range(1, length)
+    for i in order:
+        expected[:, i] += factor[:, None, None] * expected[:, i + 1 if reverse else i - 1]
+    torch.testing.assert_close(decayed_running_sum_(x.clone(), factor, reverse), expected)

@@ -9,7 +9,10 @@ Shapes: B batch, H heads, N tokens, m feature dim, dv value dim.
   r^(s-t), or the rescaling of a running maximum). A token with ``resets`` set starts a new document: no earlier
   token (nor the initial state) reaches it or anything after it. Chunkwise: a masked C x C product inside each
   chunk of C tokens, and a running (m x dv) state across chunks. Memory O(N C + (N / C) m dv); gates are only
-  ever exponentiated as differences inside a chunk, so nothing overflows however long the sequence.
+  ever exponentiated as differences inside a chunk, so nothing overflows however long the sequence. Ungated
+  inputs, and gates that are one constant per head (a decay by position over consecutive positions), take one
+  product (``ChunkedCausalProduct``, the decay as fixed weights, ``ChunkDecay``); other gates the general gated
+  product (``gated_chunks``).
 """
 
 import torch
@@ -121,20 +124,46 @@ def running_sum_(x: torch.Tensor, block: int = 16) -> torch.Tensor:
     return x
 
 
-def running_states(chunk_states, start, num_chunks):
+def decayed_running_sum_(x: torch.Tensor, factor: torch.Tensor, reverse: bool = False, block: int = 16):
+    """x[:, i] <- x[:, i] + factor * x[:, i - 1] in place, for x (G, n, ...) and factor (G,) in [0, 1]: the running
+    sum of a state that decays by ``factor`` per step; with ``reverse``, x[:, i] + factor * x[:, i + 1] from the last
+    step back. Within blocks of ``block`` steps one product with the matrix of factor^|i - j|, then each block's
+    boundary sum carried into the next: n / block steps one after another, not n."""
+    G, n = x.shape[:2]
+    K = min(block, n)
+    padded = F.pad(x.reshape(G, n, -1), (0, 0, 0, (-n) % K))  # zeros past the end reach nothing
+    steps = torch.arange(K, device=x.device)
+    lags = steps[:, None] - steps[None, :]
+    within = (factor[:, None, None] ** lags.clamp_min(0)).masked_fill(lags < 0, 0.0)  # factor^(i - j), j <= i
+    within = within.transpose(1, 2) if reverse else within
+    sums = torch.matmul(within[:, None], padded.view(G, -1, K, padded.shape[-1]))  # (G, blocks, K, rest)
+    reach = factor[:, None] ** ((K - steps) if reverse else (steps + 1))  # a neighbour's boundary sum, at each step
+    for b in range(sums.shape[1] - 2, -1, -1) if reverse else range(1, sums.shape[1]):
+        boundary = sums[:, b + 1, :1] if reverse else sums[:, b - 1, -1:]
+        sums[:, b].addcmul_(reach[:, :, None], boundary)
+    return x.copy_(sums.view(G, -1, sums.shape[-1])[:, :n].view(x.shape))
+
+
+def running_states(chunk_states, start, num_chunks, decay=None):
     """The inclusive state after each chunk, start + sum_{c' <= c} chunk_states[c'], in place: chunk_states
-    (heads * nc, m, w), start (heads, m, w) or None."""
+    (heads * nc, m, w), start (heads, m, w) or None. ``decay`` (heads,): each state decays by it per chunk (and
+    start by it once, in the first chunk), or None."""
     if start is not None:
-        chunk_states[::num_chunks] += start
-    running_sum_(chunk_states.view(-1, num_chunks, *chunk_states.shape[1:]))
+        chunk_states[::num_chunks] += start if decay is None else start * decay[:, None, None]
+    states = chunk_states.view(-1, num_chunks, *chunk_states.shape[1:])
+    running_sum_(states) if decay is None else decayed_running_sum_(states, decay)
     return chunk_states
 
 
-def later_states(left, grad, grad_final, num_chunks):
+def later_states(left, grad, grad_final, num_chunks, decay=None):
     """The gradient of each chunk's own state (k_c^T v_c): sum_{c' > c} left_c'^T grad_c', plus the final state's
     gradient; and the initial state's gradient (the sum over every chunk). left (heads * nc, C, m), grad
-    (heads * nc, C, w), grad_final (heads, m, w) or None. Returns (heads * nc, m, w) and (heads, m, w)."""
+    (heads * nc, C, w), grad_final (heads, m, w) or None; ``decay`` (heads,) per chunk as ``running_states``,
+    which weighs the term of chunk c' by decay^(c' - c - 1) (the final state's by decay^(nc - 1 - c)).
+    Returns (heads * nc, m, w) and (heads, m, w)."""
     m, w = left.shape[-1], grad.shape[-1]
+    if decay is not None:
+        return decayed_later_states(torch.bmm(left.transpose(1, 2), grad).view(-1, num_chunks, m, w), grad_final, decay)
     later = running_sum_(torch.bmm(left.transpose(1, 2), grad).view(-1, num_chunks, m, w))
     total = later[:, -1].clone()
     if grad_final is not None:
@@ -143,13 +172,64 @@ def later_states(left, grad, grad_final, num_chunks):
     return later.view(-1, m, w), total
 
 
+def decayed_later_states(products, grad_final, decay):
+    """``later_states`` with a decay, from each chunk's own products (heads, nc, m, w): the sums from the last chunk
+    back, R_c = products_c + decay R_{c+1} (R_nc = grad_final), then shifted by one chunk."""
+    if grad_final is not None:
+        products[:, -1].addcmul_(grad_final, decay[:, None, None])
+    reached = decayed_running_sum_(products, decay, reverse=True)
+    total = reached[:, 0].clone()
+    after = grad_final[:, None] if grad_final is not None else reached.new_zeros(reached[:, :1].shape)
+    return torch.cat([reached[:, 1:], after], dim=1).view(-1, *reached.shape[2:]), total
+
+
+def unweighted(x: torch.Tensor) -> torch.Tensor:
+    """x itself: the weights of queries and keys without a decay."""
+    return x
+
+
+class ChunkDecay:
+    """A per-head decay r = exp(log_decay) <= 1 per token, as the chunked products apply it to one block (h heads
+    of b rows, chunks of C tokens, stacked heads-first as ``block_of``): query i of a chunk weighs key j of the
+    same chunk by r^(i - j) and the state before the chunk by r^(i + 1); key j enters the state after its chunk
+    with weight r^(C - 1 - j); the states decay by r^C from one chunk to the next.
+
+    log_decay (h,) <= 0, float32 or wider; ``groups``: h * b; ``dtype``: the products' dtype.
+    """
+
+    def __init__(self, log_decay: torch.Tensor, groups: int, chunk_size: int, dtype):
+        self.heads = log_decay.shape[0]
+        steps = torch.arange(chunk_size, device=log_decay.device, dtype=log_decay.dtype)
+        lags = steps[:, None] - steps[None, :]
+        within = (log_decay[:, None, None] * lags.clamp_min(0)).exp().masked_fill(lags < 0, 0.0)
+        self.within = within.to(dtype)[:, None]  # (h, 1, C, C), zero above the diagonal
+        self.to_query = (log_decay[:, None] * (steps + 1)).exp().to(dtype)[:, None, :, None]  # (h, 1, C, 1)
+        self.from_key = (log_decay[:, None] * (chunk_size - 1 - steps)).exp().to(dtype)[:, None, :, None]
+        self.per_chunk = (log_decay * chunk_size).exp().to(dtype).repeat_interleave(groups // self.heads)  # (h b,)
+
+    def to_queries(self, x: torch.Tensor) -> torch.Tensor:
+        """x (h * b * nc, C, w) with the row of query i times r^(i + 1)."""
+        return (x.view(self.heads, -1, *x.shape[1:]) * self.to_query).view(x.shape)
+
+    def from_keys(self, x: torch.Tensor) -> torch.Tensor:
+        """x (h * b * nc, C, w) with the row of key j times r^(C - 1 - j)."""
+        return (x.view(self.heads, -1, *x.shape[1:]) * self.from_key).view(x.shape)
+
+    def mask_(self, scores: torch.Tensor) -> torch.Tensor:
+        """The C x C scores (h * b * nc, C, C) times r^(i - j), zero above the diagonal, in place."""
+        scores.view(self.heads, -1, *scores.shape[1:]).mul_(self.within)
+        return scores
+
+
 class ChunkedCausalProduct(torch.autograd.Function):
-    """The ungated causal product in chunks: out_s = q_s S_0 + sum_{t<=s} (q_s . k_t) v_t, the final state
-    S_0 + sum_t k_t v_t^T and, ``with_denominator``, the denominator q_s . (z_0 + sum_{t<=s} k_t): what a ones
-    column appended to v would give, without widening every product to dv + 1 (a width of 65 ran them at half
-    the speed of 64). Blocks of rows and heads at a time (``batch_head_blocks``), each copied to contiguous chunks
-    where it is not so already: neither a copy of the inputs, nor the C x C scores, nor the per-chunk states are
-    ever made for the whole input. Backward recomputes the scores and the states: only q, k and v are saved.
+    """The causal product in chunks, ungated or with one decay per head: out_s = q_s S_0 + sum_{t<=s} (q_s . k_t) v_t,
+    the final state S_0 + sum_t k_t v_t^T and, ``with_denominator``, the denominator q_s . (z_0 + sum_{t<=s} k_t):
+    what a ones column appended to v would give, without widening every product to dv + 1 (a width of 65 ran them
+    at half the speed of 64). With ``log_decay`` (H,), every term is weighted by r^(s - t), r = exp(log_decay) per
+    token (S_0 and z_0 by r^(s + 1)): the gated product's case of one constant gate per head (``ChunkDecay``).
+    Blocks of rows and heads at a time (``batch_head_blocks``), each copied to contiguous chunks where it is not so
+    already: neither a copy of the inputs, nor the C x C scores, nor the per-chunk states are ever made for the
+    whole input. Backward recomputes the scores and the states: only q, k and v are saved.
 
     q, k (B, H, N, m) and v (B, H, N, dv) in any memory layout, N a multiple of C; initial (B, H, m, dv') or None,
     dv' = dv + 1 with the denominator (the last column holds z_0), dv otherwise; ``dtype``: the dtype of every
@@ -158,7 +238,7 @@ class ChunkedCausalProduct(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, initial, chunk_size, with_denominator, dtype):
+    def forward(ctx, q, k, v, initial, chunk_size, with_denominator, dtype, log_decay=None):
         B, H, N, m = q.shape
         C, nc, dv = chunk_size, N // chunk_size, v.shape[-1]
         out = heads_first(B, H, N, dv, v, dtype)
@@ -167,22 +247,44 @@ class ChunkedCausalProduct(torch.autograd.Function):
         for rows, heads in batch_head_blocks(B, H, nc, C):
             qf, kf, vf = (chunks_of(x, rows, heads, C, dtype) for x in (q, k, v))
             start, start_keys = ChunkedCausalProduct.initial_block(initial, rows, heads, dv, dtype)
-            kv = running_states(torch.bmm(kf.transpose(1, 2), vf), start, nc)
-            scores = torch.bmm(qf, kf.transpose(1, 2)).tril_()
+            decay = ChunkedCausalProduct.decay_block(log_decay, heads, qf.shape[0] // nc, C, dtype)
+            to_queries, from_keys, per_chunk = ChunkedCausalProduct.state_weights(decay)
+            queries, keys = to_queries(qf), from_keys(kf)  # as they meet the states across chunks
+            kv = running_states(torch.bmm(keys.transpose(1, 2), vf), start, nc, per_chunk)
+            scores = ChunkedCausalProduct.masked_scores(qf, kf, decay)
             out_block = block_of(out, rows, heads).view(-1, C, dv)
             torch.bmm(scores, vf, out=out_block)
-            add_state_products(out_block, qf, kv, start, nc)
+            add_state_products(out_block, queries, kv, start, nc)
             final_block = block_of(final, rows, heads).view(-1, m, dv + with_denominator)
             final_block[..., :dv] = kv.view(-1, nc, m, dv)[:, -1]
             if with_denominator:
-                key_sums = running_states(kf.sum(1).unsqueeze(-1), start_keys, nc)  # (rows, m, 1)
+                key_sums = running_states(keys.sum(1).unsqueeze(-1), start_keys, nc, per_chunk)  # (rows, m, 1)
                 denominator_block = block_of(denominator, rows, heads).view(-1, C, 1)
                 torch.sum(scores, -1, keepdim=True, out=denominator_block)
-                add_state_products(denominator_block, qf, key_sums, start_keys, nc)
+                add_state_products(denominator_block, queries, key_sums, start_keys, nc)
                 final_block[..., dv:] = key_sums.view(-1, nc, m, 1)[:, -1]
-        ctx.save_for_backward(q, k, v, initial)
+        ctx.save_for_backward(q, k, v, initial, log_decay)
         ctx.chunk_size, ctx.with_denominator, ctx.dtype = chunk_size, with_denominator, dtype
         return out, denominator, final
+
+    @staticmethod
+    def decay_block(log_decay, heads, groups, chunk_size, dtype):
+        """The ``ChunkDecay`` of a block of heads (``groups``: its heads x rows), or None without a decay."""
+        return None if log_decay is None else ChunkDecay(log_decay[heads], groups, chunk_size, dtype)
+
+    @staticmethod
+    def state_weights(decay):
+        """How a query and a key are weighted where they meet the states across chunks (``to_queries``,
+        ``from_keys``), and the states' decay per chunk: unchanged and None without a decay."""
+        if decay is None:
+            return unweighted, unweighted, None
+        return decay.to_queries, decay.from_keys, decay.per_chunk
+
+    @staticmethod
+    def masked_scores(qf, kf, decay):
+        """The C x C scores q_i . k_j of each chunk, zero above the diagonal, and times r^(i - j) with a decay."""
+        scores = torch.bmm(qf, kf.transpose(1, 2))
+        return scores.tril_() if decay is None else decay.mask_(scores)
 
     @staticmethod
     def initial_block(state, rows, heads, dv, dtype):
@@ -196,7 +298,7 @@ class ChunkedCausalProduct(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out, grad_denominator, grad_final):
-        q, k, v, initial = ctx.saved_tensors
+        q, k, v, initial, log_decay = ctx.saved_tensors
         C, with_denominator, dtype = ctx.chunk_size, ctx.with_denominator, ctx.dtype
         B, H, N, m = q.shape
         nc, dv = N // C, v.shape[-1]
@@ -206,27 +308,31 @@ class ChunkedCausalProduct(torch.autograd.Function):
             qf, kf, vf, go = (chunks_of(x, rows, heads, C, dtype) for x in (q, k, v, grad_out))
             start, start_keys = ChunkedCausalProduct.initial_block(initial, rows, heads, dv, dtype)
             final_go, final_gd = ChunkedCausalProduct.initial_block(grad_final, rows, heads, dv, dtype)
-            kv = running_states(torch.bmm(kf.transpose(1, 2), vf), start, nc)
-            later, total = later_states(qf, go, final_go, nc)
-            scores = torch.bmm(qf, kf.transpose(1, 2)).tril_()
+            decay = ChunkedCausalProduct.decay_block(log_decay, heads, qf.shape[0] // nc, C, dtype)
+            to_queries, from_keys, per_chunk = ChunkedCausalProduct.state_weights(decay)
+            queries, keys = to_queries(qf), from_keys(kf)
+            kv = running_states(torch.bmm(keys.transpose(1, 2), vf), start, nc, per_chunk)
+            later, total = later_states(queries, go, final_go, nc, per_chunk)
+            scores = ChunkedCausalProduct.masked_scores(qf, kf, decay)
             grad_scores = torch.bmm(go, vf.transpose(1, 2))
             if with_denominator:  # the denominator's gradient reaches every visible score of its row
                 gd = chunks_of(grad_denominator, rows, heads, C, dtype)
                 grad_scores += gd
-            grad_scores.tril_()
+            grad_scores = grad_scores.tril_() if decay is None else decay.mask_(grad_scores)
             dq = ChunkedCausalProduct.target(grad_q, rows, heads, C, dtype)
             torch.bmm(grad_scores, kf, out=dq)
-            add_state_products(dq, go, kv.transpose(1, 2), None if start is None else start.transpose(1, 2), nc)
+            start_t = None if start is None else start.transpose(1, 2)
+            add_state_products(dq, to_queries(go), kv.transpose(1, 2), start_t, nc)
             dk = ChunkedCausalProduct.target(grad_k, rows, heads, C, dtype)
-            torch.bmm(grad_scores.transpose(1, 2), qf, out=dk).baddbmm_(vf, later.transpose(1, 2))
+            torch.bmm(grad_scores.transpose(1, 2), qf, out=dk).baddbmm_(from_keys(vf), later.transpose(1, 2))
             dv_block = ChunkedCausalProduct.target(grad_v, rows, heads, C, dtype)
-            torch.bmm(scores.transpose(1, 2), go, out=dv_block).baddbmm_(kf, later)
+            torch.bmm(scores.transpose(1, 2), go, out=dv_block).baddbmm_(keys, later)
             if with_denominator:
-                key_sums = running_states(kf.sum(1).unsqueeze(-1), start_keys, nc)
-                later_keys, total_keys = later_states(qf, gd, final_gd, nc)
+                key_sums = running_states(keys.sum(1).unsqueeze(-1), start_keys, nc, per_chunk)
+                later_keys, total_keys = later_states(queries, gd, final_gd, nc, per_chunk)
                 key_start = None if start_keys is None else start_keys.transpose(1, 2)
-                add_state_products(dq, gd, key_sums.transpose(1, 2), key_start, nc)
-                dk += later_keys.transpose(1, 2)  # every key of chunk c adds to the key sums after it
+                add_state_products(dq, to_queries(gd), key_sums.transpose(1, 2), key_start, nc)
+                dk += from_keys(later_keys.transpose(1, 2).expand(-1, C, -1))  # each key adds to the key sums after it
                 total = torch.cat([total, total_keys], dim=-1)
             if grad_initial is not None:
                 initial_block = block_of(grad_initial, rows, heads)
@@ -235,7 +341,7 @@ class ChunkedCausalProduct(torch.autograd.Function):
                 target = block_of(grad, rows, heads)
                 if computed.data_ptr() != target.data_ptr():  # computed in the products' dtype
                     target.copy_(computed.view(target.shape))
-        return grad_q, grad_k, grad_v, grad_initial, None, None, None
+        return grad_q, grad_k, grad_v, grad_initial, None, None, None, None
 
     @staticmethod
     def target(grad, rows, heads, chunk_size, dtype):
@@ -375,9 +481,12 @@ def causal_linear_attention(
         q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
         log_gates = F.pad(log_gates, (0, pad)) if log_gates is not None else None
         resets = F.pad(resets, (0, pad)) if resets is not None else None
-    if log_gates is None and N > 1:
+    decay = uniform_decay(log_gates, initial_state, resets) if N > 1 and not pad else None
+    if (log_gates is None or decay is not None) and N > 1:
         with torch.autocast(device, enabled=False):  # the function computes in one dtype, forward and backward
-            out, denominator, final = ChunkedCausalProduct.apply(q, k, v, initial_state, C, with_denominator, dtype)
+            out, denominator, final = ChunkedCausalProduct.apply(
+                q, k, v, initial_state, C, with_denominator, dtype, decay
+            )
         return out[:, :, :N], None if denominator is None else denominator[:, :, :N], final
     if with_denominator:  # a ones column: these paths' products are per chunk or per token, not the bulk
         v = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
@@ -389,6 +498,20 @@ def causal_linear_attention(
     if with_denominator:  # one split: its backward joins the two gradients, where slices would each fill a zero one
         return *out.split([out.shape[-1] - 1, 1], dim=-1), final
     return out, None, final
+
+
+def uniform_decay(log_gates, initial_state, resets):
+    """The log decay per head (H,) when ``log_gates`` (B, H, N) hold one value <= 0 per head at every token that
+    counts (the first one only with an initial state), as a decay by position over consecutive positions gives
+    (PermuteFormer's): the ungated chunked product then applies it itself, much faster than the general gated
+    product. None otherwise, and for gates that want a gradient."""
+    if log_gates is None or resets is not None or (log_gates.requires_grad and torch.is_grad_enabled()):
+        return None
+    counted = log_gates if initial_state is not None else log_gates[..., 1:]
+    per_head = counted[:1, :, :1]  # (1, H, 1)
+    if not bool(((counted == per_head) & (per_head <= 0)).all()):
+        return None
+    return per_head[0, :, 0]
 
 
 def recurrent_step(q, k, v, log_gates, initial_state, resets):
