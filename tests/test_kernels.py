@@ -81,11 +81,12 @@ def test_causal_product_with_its_denominator_from_the_projections_layout(
 def test_causal_product_with_one_decay_per_head_equals_the_quadratic_formula(
     num_tokens, chunk_size, with_initial, tokens_first, with_denominator, block_elements, monkeypatch
 ):
-    """PermuteFormer's decay over consecutive positions, one log gate per head at every token: where the inputs
-    fill whole chunks the ungated chunked product applies it itself (the general gated product must not run), in
-    blocks of one head and row or of several; 29 tokens in chunks of 4 take the gated product."""
+    """PermuteFormer's decay over consecutive positions, one log gate per head at every token: the ungated chunked
+    product applies it itself (the general gated product must not run), in blocks of one head and row or of
+    several, the last chunk filled by zero tokens in front; except where 29 tokens in chunks of 4 follow an
+    initial state, which take the gated product."""
     monkeypatch.setattr(attention_kernels, "BLOCK_ELEMENTS", block_elements)
-    if num_tokens % chunk_size == 0:
+    if num_tokens % chunk_size == 0 or not with_initial:
         monkeypatch.setattr(attention_kernels, "gated_chunks", None)  # calling it fails the test
     check_causal_against_quadratic(
         num_tokens, chunk_size, "per head", with_initial, False, tokens_first, with_denominator

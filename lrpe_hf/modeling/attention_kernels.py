@@ -477,17 +477,24 @@ def causal_linear_attention(
         log_gates = q.new_zeros(B, H, N, dtype=torch.promote_types(q.dtype, torch.float32))
     device = q.device.type
     pad = (-N) % C
-    if pad and N > 1:
-        q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
-        log_gates = F.pad(log_gates, (0, pad)) if log_gates is not None else None
-        resets = F.pad(resets, (0, pad)) if resets is not None else None
-    decay = uniform_decay(log_gates, initial_state, resets) if N > 1 and not pad else None
+    decay = (
+        uniform_decay(log_gates, initial_state, resets) if N > 1 and not (pad and initial_state is not None) else None
+    )
     if (log_gates is None or decay is not None) and N > 1:
+        # zero tokens fill the last chunk; with a decay they go first (after the last token they would decay the
+        # final state; before the first, with no initial state, they reach nothing)
+        kept = slice(pad, None) if decay is not None else slice(None, N)
+        if pad:
+            q, k, v = (F.pad(x, (0, 0, pad, 0) if decay is not None else (0, 0, 0, pad)) for x in (q, k, v))
         with torch.autocast(device, enabled=False):  # the function computes in one dtype, forward and backward
             out, denominator, final = ChunkedCausalProduct.apply(
                 q, k, v, initial_state, C, with_denominator, dtype, decay
             )
-        return out[:, :, :N], None if denominator is None else denominator[:, :, :N], final
+        return out[:, :, kept], None if denominator is None else denominator[:, :, kept], final
+    if pad and N > 1:
+        q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+        log_gates = F.pad(log_gates, (0, pad))
+        resets = F.pad(resets, (0, pad)) if resets is not None else None
     if with_denominator:  # a ones column: these paths' products are per chunk or per token, not the bulk
         v = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
     if N == 1:
