@@ -151,7 +151,10 @@ def running_states(chunk_states, start, num_chunks, decay=None):
     if start is not None:
         chunk_states[::num_chunks] += start if decay is None else start * decay[:, None, None]
     states = chunk_states.view(-1, num_chunks, *chunk_states.shape[1:])
-    running_sum_(states) if decay is None else decayed_running_sum_(states, decay)
+    if decay is None:
+        running_sum_(states)
+    else:
+        decayed_running_sum_(states, decay)
     return chunk_states
 
 
