@@ -62,6 +62,19 @@ def test_fastrpb_refuses_spans_beyond_max_positions():
         layer(torch.randn(1, 9, 16))
 
 
+def test_learned_absolute_positions_refuse_positions_beyond_their_table_eager_and_compiled():
+    from lrpe_hf.modeling.positional_absolute import LearnedPositionEmbedding
+
+    table = LearnedPositionEmbedding(8, max_positions=16)
+    assert table(torch.tensor([[0, 15]])).shape == (1, 2, 8)
+    with pytest.raises(ValueError, match="cover positions 0..15, got positions 0..16"):
+        table(torch.tensor([[0, 16]]))
+    compiled = torch.compile(table, backend="eager", fullgraph=True)  # one graph: the check reads nothing back
+    assert compiled(torch.tensor([[0, 15]])).shape == (1, 2, 8)
+    with pytest.raises(RuntimeError, match="cover 0..15"):
+        compiled(torch.tensor([[-1, 3]]))
+
+
 def test_bad_inputs():
     layer = LinearAttention(16, 2, positional_encoding="rope")
     x = torch.randn(2, 5, 16)

@@ -1,5 +1,7 @@
 """LinearGPT generation: recurrent cache, incremental == full forward, padding, strategies, unsupported modes."""
 
+import copy
+
 import pytest
 import torch
 
@@ -143,3 +145,85 @@ def test_fastrpb_history_mixing_grad_and_no_grad_steps():
             with torch.no_grad():
                 pieces.append(layer(x[:, t : t + 1], state=state))
     torch.testing.assert_close(torch.cat(pieces, dim=1), full, atol=1e-5, rtol=1e-5)
+
+
+def test_decoding_with_a_mask_of_the_new_tokens_only_continues_each_rows_real_positions():
+    """With a cache, a mask may cover the new tokens only: positions then continue from each row's real tokens
+    (padding not counted), as a mask over every token would give them."""
+    model = model_with("lrpe_orthogonal", absolute_position_embedding="learned")
+    ids = torch.cat([torch.zeros(1, 3, dtype=torch.long), prompt(batch=1, tokens=4)], dim=1)
+    ids = torch.cat([ids, prompt(batch=1, tokens=7, seed=3)])
+    mask = (ids != 0).long()
+    mask[1] = 1
+    following = prompt(tokens=3, seed=4)
+    logits = {}
+    with torch.no_grad():
+        for covers in ("new tokens", "every token"):
+            cache = LinearAttentionCache(model.config.num_hidden_layers)
+            model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+            steps, seen = [], mask
+            for t in range(3):
+                seen = torch.cat([seen, torch.ones(2, 1, dtype=torch.long)], dim=1)
+                step_mask = seen[:, -1:] if covers == "new tokens" else seen
+                out = model(following[:, t : t + 1], attention_mask=step_mask, past_key_values=cache, use_cache=True)
+                steps.append(out.logits)
+            logits[covers] = torch.cat(steps, dim=1)
+    torch.testing.assert_close(logits["new tokens"], logits["every token"])
+
+
+@pytest.mark.parametrize("encoding", ["none", "rope", "lrpe_orthogonal", "lrpe_unitary", "permute"])
+def test_a_compiled_decoding_step_is_one_graph_traced_once_that_decodes_as_eager(encoding):
+    """Under torch.compile a decoding step reads no Python token count and takes no data-dependent branch. Its
+    one graph break is where the cache counts the step's tokens (outside the graph, which would otherwise be
+    specialised on the count). After the first steps (the first trace, then the state's layout after the prompt,
+    then the mask's length made dynamic) no step traces again; its logits are those of eager decoding."""
+    from torch._dynamo.testing import CompileCounter
+
+    torch._dynamo.reset()
+    model = model_with(encoding, absolute_position_embedding="learned")
+    ids = prompt(batch=2, tokens=6)
+    caches = [LinearAttentionCache(model.config.num_hidden_layers) for _ in range(2)]
+    counter = CompileCounter()
+    compiled = torch.compile(model, backend=counter)
+    # a limit far above the steps taken: a step that traced again would show in the count, not fall back to eager
+    with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=64):
+        first = [model(ids, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1) for cache in caches]
+        mask = torch.ones(2, 7, dtype=torch.long)
+        explained = torch._dynamo.explain(model)(
+            first[0], attention_mask=mask, past_key_values=copy.deepcopy(caches[0])
+        )
+        assert explained.graph_break_count == 1
+        assert "LinearAttentionCache.advance" in str(explained.break_reasons[0].reason)
+        tokens, mask = first, mask[:, :6]
+        traced_after_warm_up = None
+        for step in range(8):
+            mask = torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], dim=1)
+            logits = [
+                run(input_ids=token, attention_mask=mask, past_key_values=cache, use_cache=True).logits
+                for run, token, cache in zip((compiled, model), tokens, caches)
+            ]
+            torch.testing.assert_close(logits[0], logits[1])
+            tokens = [logits[0][:, -1:].argmax(-1)] * 2
+            if step == 3:
+                traced_after_warm_up = counter.frame_count
+    assert counter.frame_count == traced_after_warm_up
+    assert [cache.get_seq_length() for cache in caches] == [14, 14]
+
+
+def test_generate_leaves_positions_to_the_model_and_generates_the_same_compiled():
+    """generate passes no position_ids (the model's defaults, counted from the mask, are the ones it would build),
+    so each step skips the search for packed documents; a compiled forward generates what eager does."""
+    model = model_with("rope")
+    ids = torch.cat([torch.cat([torch.zeros(1, 2, dtype=torch.long), prompt(batch=1, tokens=4)], dim=1), prompt(1, 6)])
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0
+    given = []
+    hook = model.register_forward_pre_hook(
+        lambda module, args, kwargs: given.append(kwargs.get("position_ids")), with_kwargs=True
+    )
+    expected = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    hook.remove()
+    assert len(given) == 6 and all(positions is None for positions in given)
+    torch._dynamo.reset()
+    model.forward = torch.compile(model.forward, backend="eager")
+    assert model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False).tolist() == expected.tolist()

@@ -1,8 +1,13 @@
 """The generation cache of a LinearGPT model: one recurrent ``LinearAttentionState`` per layer.
 
 A linear-attention layer needs O(m d) numbers per head whatever the context length (FastRPB adds the values
-it biases with; the softmax baseline keeps its keys and values). The cache counts tokens itself, is not
-compileable, and cannot be cropped (a recurrent state cannot forget its last tokens).
+it biases with; the softmax baseline keeps its keys and values). The cache counts tokens itself and cannot be
+cropped (a recurrent state cannot forget its last tokens).
+
+A decoding step compiles (``torch.compile(model)``) to one graph over every layer, traced once: the states keep
+their shapes from step to step and the step reads no Python count (``advance`` runs outside the graph).
+``is_compileable`` stays False, so that ``generate`` does not compile on its own on a GPU, where this has not
+been measured; encodings with caches of their own (SPE) or a history that grows (FastRPB) break the graph.
 """
 
 import torch
@@ -24,6 +29,12 @@ class LinearAttentionCache(Cache):
 
     def __repr__(self):
         return f"LinearAttentionCache(layers={len(self.states)}, seen_tokens={self.seen_tokens})"
+
+    @torch.compiler.disable
+    def advance(self, num_tokens: int):
+        """Count a call's tokens (padding included). Outside any compiled graph, which would otherwise be
+        specialised on the count."""
+        self.seen_tokens += num_tokens
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.seen_tokens

@@ -26,7 +26,13 @@ from .attention_options import AttentionOptions
 from .attention_state import ValueHistory
 from .kernel_attention import KernelAttention
 from .positional_encoding import NoPositionalEncoding
-from .positions import check_position_ids, default_position_ids, mask_as_bool, packed_documents
+from .positions import (
+    check_position_ids,
+    default_position_ids,
+    mask_as_bool,
+    packed_documents,
+    unpacked_documents,
+)
 from .registry import build_positional_encoding, positional_encoding_entry
 from .softmax_attention import SoftmaxAttention
 
@@ -132,8 +138,13 @@ class LinearAttention(nn.Module):
         projected = q, k
         q, k = encoding.encode_query_key(q, k, positions, shared_draw)
         reuse_inputs = q is projected[0] and k is projected[1]  # this call's own: the feature map may overwrite them
-        if documents is None:
-            documents = packed_documents(positions, mask, state) if self.options.position_dims == 1 else (None, None)
+        if documents is None and self.options.position_dims == 2:
+            documents = None, None
+        elif documents is None:  # only given positions can restart: the default ones only grow
+            packed = position_ids is not None
+            documents = (
+                packed_documents(positions, mask, state) if packed else unpacked_documents(B, N, state, q.device)
+            )
         starts, documents = documents
         path_state, last_position = None, None
         if state is not None:

@@ -88,18 +88,24 @@ class LinearGPTModel(LinearGPTPreTrainedModel):
         if use_cache and past_key_values is None:
             past_key_values = LinearAttentionCache(self.config.num_hidden_layers)
         cache = past_key_values if use_cache else None
-        past = cache.seen_tokens if cache is not None else 0
-
-        mask = mask_as_bool(attention_mask, batch_size, num_tokens, past)
+        # Compiled, the step reads no Python count (the graph would be specialised on it, one per token): the real
+        # tokens seen per row come from the first layer's counters, and a mask's past length goes unchecked.
+        past = cache.seen_tokens if cache is not None and not torch.compiler.is_compiling() else None
+        mask = mask_as_bool(attention_mask, batch_size, num_tokens, past if cache is not None else 0)
+        given_positions = position_ids is not None
         if position_ids is None:
-            position_ids = default_position_ids(attention_mask, batch_size, num_tokens, hidden_states.device, past)
+            real_past = cache.states[0].num_tokens if cache is not None else None
+            real_past = real_past if real_past is not None else 0
+            position_ids = default_position_ids(attention_mask, batch_size, num_tokens, hidden_states.device, real_past)
         if self.position_embedding is not None:
             hidden_states = hidden_states + self.position_embedding(position_ids).to(hidden_states.dtype)
         hidden_states = self.dropout(hidden_states)
-        hidden_states, all_hidden_states = self.stack(hidden_states, mask, position_ids, cache, output_hidden_states)
+        hidden_states, all_hidden_states = self.stack(
+            hidden_states, mask, position_ids, cache, output_hidden_states, given_positions
+        )
         hidden_states = self.norm(hidden_states)
         if cache is not None:
-            cache.seen_tokens += num_tokens
+            cache.advance(num_tokens)
         if output_hidden_states:
             all_hidden_states = tuple(all_hidden_states) + (hidden_states,)
         return BaseModelOutputWithPast(
@@ -115,6 +121,13 @@ class LinearGPTForCausalLM(LinearGPTPreTrainedModel, GenerationMixin):
         self.model = LinearGPTModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
+
+    def _prepare_position_ids_for_generation(self, inputs_tensor, model_kwargs):
+        """None: ``generate`` leaves the positions to the model, whose defaults are the ones it would build (counted
+        from the attention mask, or continued from the cache). Default positions only grow, so each step skips the
+        search for packed documents, a data-dependent branch that would break a compiled step's graph. Positions
+        passed to ``generate`` are still used."""
+        return None
 
     @can_return_tuple
     def forward(

@@ -74,12 +74,15 @@ class LinearRobertaModel(LinearRobertaPreTrainedModel):
             output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
         )
         mask = mask_as_bool(attention_mask, batch_size, num_tokens)
+        given_positions = position_ids is not None
         if position_ids is None:
             position_ids = default_position_ids(mask, batch_size, num_tokens, hidden_states.device)
         if self.position_embedding is not None:
             hidden_states = hidden_states + self.position_embedding(position_ids).to(hidden_states.dtype)
         hidden_states = self.dropout(self.embedding_norm(hidden_states))
-        hidden_states, all_hidden_states = self.stack(hidden_states, mask, position_ids, None, output_hidden_states)
+        hidden_states, all_hidden_states = self.stack(
+            hidden_states, mask, position_ids, None, output_hidden_states, given_positions
+        )
         if output_hidden_states:
             all_hidden_states = tuple(all_hidden_states) + (hidden_states,)
         return BaseModelOutput(last_hidden_state=hidden_states, hidden_states=all_hidden_states)

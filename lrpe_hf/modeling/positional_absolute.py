@@ -62,7 +62,10 @@ class LearnedPositionEmbedding(nn.Module):
             )
 
     def forward(self, positions: torch.Tensor) -> torch.Tensor:
-        if positions.numel() and (int(positions.max()) >= self.max_positions or int(positions.min()) < 0):
+        if torch.compiler.is_compiling():  # the same check without reading a number back (a graph break)
+            covered = ((positions >= 0) & (positions < self.max_positions)).all()
+            torch._assert_async(covered, f"learned absolute position embeddings cover 0..{self.max_positions - 1}")
+        elif positions.numel() and (int(positions.max()) >= self.max_positions or int(positions.min()) < 0):
             raise ValueError(
                 f"learned absolute position embeddings cover positions 0..{self.max_positions - 1}, got positions "
                 f"{int(positions.min())}..{int(positions.max())}; shorten the input or use a relative encoding"

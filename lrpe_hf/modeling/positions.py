@@ -4,17 +4,22 @@ import torch
 from torch.nn import functional as F
 
 
-def mask_as_bool(attention_mask, batch_size: int, num_tokens: int, past: int = 0) -> torch.Tensor | None:
+def mask_as_bool(attention_mask, batch_size: int, num_tokens: int, past: int | None = 0) -> torch.Tensor | None:
     """A (B, N) bool mask (True = token, False = padding) from ``attention_mask`` of shape (B, N) or, while
-    decoding with ``past`` cached tokens, (B, past + N); None stays None."""
+    decoding with ``past`` cached tokens, (B, past + N); None stays None. ``past=None``: a cached count not known
+    here (a compiled decoding step), so any length from N up is accepted."""
     if attention_mask is None:
         return None
-    lengths = (num_tokens, past + num_tokens) if past else (num_tokens,)
-    if attention_mask.dim() != 2 or attention_mask.shape[0] != batch_size or attention_mask.shape[1] not in lengths:
-        expected = " or ".join(f"({batch_size}, {n})" for n in lengths)
+    length = attention_mask.shape[-1]
+    if past is None:
+        fits, expected = length >= num_tokens, f"({batch_size}, {num_tokens} or more)"
+    else:
+        lengths = (num_tokens, past + num_tokens) if past else (num_tokens,)
+        fits = length in lengths
+        expected = " or ".join(f"({batch_size}, {n})" for n in lengths) + (" (past + tokens)" if past else "")
+    if attention_mask.dim() != 2 or attention_mask.shape[0] != batch_size or not fits:
         raise ValueError(
-            f"attention_mask must have shape (batch, tokens) = {expected}{' (past + tokens)' if past else ''}, "
-            f"got {tuple(attention_mask.shape)}"
+            f"attention_mask must have shape (batch, tokens) = {expected}, got {tuple(attention_mask.shape)}"
         )
     return attention_mask[:, -num_tokens:].bool()
 
@@ -46,6 +51,15 @@ def check_position_ids(position_ids, batch_size: int, num_tokens: int, position_
         expected = f"(batch, {num_tokens})" if position_dims == 1 else f"(batch, {num_tokens}, 2) with (row, col)"
         raise ValueError(f"position_ids must have shape {expected}; got {tuple(position_ids.shape)}")
     return positions.expand(batch_size, -1, -1).long()
+
+
+def unpacked_documents(batch_size: int, num_tokens: int, state=None, device=None):
+    """What ``packed_documents`` finds for rows whose positions only grow, as the default ones do: no token starts
+    a document, and with a state every token continues the state's current one. (None, None) without a state."""
+    if state is None:
+        return None, None
+    current = state.document if state.document is not None else torch.zeros(batch_size, dtype=torch.long, device=device)
+    return None, current[:, None].expand(batch_size, num_tokens)
 
 
 def packed_documents(positions, mask, state=None):
