@@ -29,9 +29,10 @@ SIZE = dict(layers=6, hidden=512, heads=8, ffn=2048, vocab=8192)
 
 
 def build(name, max_tokens, device):
-    """``gpt2-sdpa``, or a LinearGPT positional encoding; a ``+ckpt`` suffix turns on gradient checkpointing."""
+    """``gpt2-sdpa``, or a LinearGPT positional encoding; a ``+ckpt`` suffix turns on gradient checkpointing (a
+    ``+compile`` suffix, decoding under ``torch.compile``, is applied by ``generation_row``)."""
     torch.manual_seed(0)
-    encoding, _, checkpointing = name.partition("+")
+    encoding, _, variant = name.partition("+")
     if encoding == "gpt2-sdpa":
         config = GPT2Config(
             n_layer=SIZE["layers"],
@@ -55,7 +56,7 @@ def build(name, max_tokens, device):
             positional_encoding=encoding,
         )
         model = LinearGPTForCausalLM(config)
-    if checkpointing:
+    if variant == "ckpt":
         model.activation_checkpointing_enable()
     return model.to(device)
 
@@ -83,10 +84,12 @@ def train_row(name, tokens, device, reps):
 
 def generation_row(name, context, device, reps, batch=1, new_tokens=16):
     """Milliseconds per token of rounds of ``new_tokens`` one-token steps: a warm-up round, then the median of
-    ``reps`` timed rounds (the context grows by ``new_tokens`` each round)."""
+    ``reps`` timed rounds (the context grows by ``new_tokens`` each round). With a ``+compile`` suffix the steps
+    (not the prefill) run through ``torch.compile``, compiled during the warm-up round."""
 
     def run():
         model = build(name, context + (reps + 1) * new_tokens + 1, device).eval()
+        step = torch.compile(model) if name.endswith("+compile") else model
         ids = torch.randint(0, SIZE["vocab"], (batch, context), device=device)
         with torch.no_grad():
             cache = LinearAttentionCache(SIZE["layers"]) if not name.startswith("gpt2") else None
@@ -96,7 +99,7 @@ def generation_row(name, context, device, reps, batch=1, new_tokens=16):
 
             def one_token():
                 nonlocal token
-                token = model(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+                token = step(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
 
             total = timed(lambda: [one_token() for _ in range(new_tokens)], device, reps)
         return {"ms_per_token": total / new_tokens, "tokens_per_s": 1000 * batch * new_tokens / total}
@@ -112,8 +115,21 @@ def main():
     parser.add_argument(
         "--encodings",
         nargs="+",
-        help="LinearGPT encodings; a +ckpt suffix adds gradient checkpointing",
-        default=["none", "none+ckpt", "rope", "lrpe_orthogonal", "lrpe_unitary", "permute", "spe_sine", "fastrpb"],
+        help="LinearGPT encodings; a +ckpt suffix adds gradient checkpointing (train steps only), a +compile suffix "
+        "decodes under torch.compile (decoding only)",
+        default=[
+            "none",
+            "none+ckpt",
+            "rope",
+            "lrpe_orthogonal",
+            "lrpe_unitary",
+            "permute",
+            "spe_sine",
+            "fastrpb",
+            "rope+compile",
+            "lrpe_orthogonal+compile",
+            "permute+compile",
+        ],
     )
     parser.add_argument(
         "--gpt2-max",
@@ -131,7 +147,7 @@ def main():
         print(allocator_note(), flush=True)
     rows = []
     for tokens in args.lengths:
-        for name in names:
+        for name in [n for n in names if not n.endswith("+compile")]:
             if name == "gpt2-sdpa" and tokens > args.gpt2_max:
                 continue
             rows.append(
