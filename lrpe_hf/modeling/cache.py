@@ -6,8 +6,9 @@ cropped (a recurrent state cannot forget its last tokens).
 
 A decoding step compiles (``torch.compile(model)``) to one graph over every layer, traced once: the states keep
 their shapes from step to step and the step reads no Python count (``advance`` runs outside the graph).
-``is_compileable`` stays False, so that ``generate`` does not compile on its own on a GPU, where this has not
-been measured; encodings with caches of their own (SPE) or a history that grows (FastRPB) break the graph.
+``is_compileable`` stays False: with True, ``generate`` would build 4D masks for it and compile on its own on a
+GPU, where this has not been measured. Encodings with caches of their own (SPE) or a history that grows (FastRPB)
+still break the graph.
 """
 
 import torch
