@@ -9,9 +9,10 @@ Padded positions (``attention_mask == 0``) contribute nothing: their values are 
 zeroed after the feature map, and their outputs are zero. Without ``position_ids``, positions count the real
 tokens of each row (so left and right padding both leave the real tokens' positions unchanged).
 
-Packed rows (padding-free batches, as ``DataCollatorWithFlattening`` makes): in 1D, a real token whose position
-is not greater than the previous real token's starts a new document, and nothing crosses a document boundary,
-in every path (bidirectional sums, causal chunks, recurrent decoding, softmax, FastRPB's bias).
+Packed rows (padding-free batches, as ``DataCollatorWithFlattening`` makes): in 1D, a real token whose given
+position is not greater than the previous real token's starts a new document, and nothing crosses a document
+boundary, in every path (bidirectional sums, causal chunks, recurrent decoding, softmax, FastRPB's bias).
+Default positions only grow: without ``position_ids`` a row is one document.
 
 Incremental decoding: pass a ``LinearAttentionState`` as ``state``; the layer reads and updates it in place,
 so calling it token by token gives the same outputs as one call over the whole sequence.
