@@ -88,13 +88,16 @@ class LinearGPTModel(LinearGPTPreTrainedModel):
         if use_cache and past_key_values is None:
             past_key_values = LinearAttentionCache(self.config.num_hidden_layers)
         cache = past_key_values if use_cache else None
-        # Compiled, the step reads no Python count (the graph would be specialised on it, one per token): the real
-        # tokens seen per row come from the first layer's counters, and a mask's past length goes unchecked.
-        past = cache.seen_tokens if cache is not None and not torch.compiler.is_compiling() else None
-        mask = mask_as_bool(attention_mask, batch_size, num_tokens, past if cache is not None else 0)
+        # Compiled, a step reads no Python count (the graph would be specialised on it, one per token): a mask's past
+        # length goes unchecked, and default positions continue from the first layer's per-row counters anyway.
+        if cache is None:
+            past = 0
+        else:
+            past = None if torch.compiler.is_compiling() else cache.seen_tokens
+        mask = mask_as_bool(attention_mask, batch_size, num_tokens, past)
         given_positions = position_ids is not None
         if position_ids is None:
-            real_past = cache.states[0].num_tokens if cache is not None else None
+            real_past = cache.states[0].num_tokens if cache is not None else None  # (B,) real tokens seen per row
             real_past = real_past if real_past is not None else 0
             position_ids = default_position_ids(attention_mask, batch_size, num_tokens, hidden_states.device, real_past)
         if self.position_embedding is not None:
