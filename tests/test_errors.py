@@ -60,6 +60,10 @@ def test_fastrpb_refuses_spans_beyond_max_positions():
     layer(torch.randn(1, 8, 16))
     with pytest.raises(ValueError, match="max_positions=8"):
         layer(torch.randn(1, 9, 16))
+    compiled = torch.compile(layer, backend="eager")
+    assert compiled(torch.randn(1, 8, 16)).shape == (1, 8, 16)
+    with pytest.raises(RuntimeError, match="relative distances below 8"):
+        compiled(torch.randn(1, 9, 16))
 
 
 def test_learned_absolute_positions_refuse_positions_beyond_their_table_eager_and_compiled():

@@ -171,7 +171,9 @@ def test_decoding_with_a_mask_of_the_new_tokens_only_continues_each_rows_real_po
     torch.testing.assert_close(logits["new tokens"], logits["every token"])
 
 
-@pytest.mark.parametrize("encoding", ["none", "rope", "lrpe_orthogonal", "lrpe_unitary", "permute"])
+@pytest.mark.parametrize(
+    "encoding", ["none", "rope", "lrpe_orthogonal", "lrpe_unitary", "permute", "fastrpb", "spe_sine"]
+)
 def test_a_compiled_decoding_step_is_one_graph_traced_once_that_decodes_as_eager(encoding):
     """Under torch.compile a decoding step reads no Python token count and takes no data-dependent branch. Its
     one graph break is where the cache counts the step's tokens (outside the graph, which would otherwise be

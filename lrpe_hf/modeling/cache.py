@@ -7,8 +7,8 @@ cropped (a recurrent state cannot forget its last tokens).
 A decoding step compiles (``torch.compile(model)``) to one graph over every layer, traced once: the states keep
 their shapes from step to step and the step reads no Python count (``advance`` runs outside the graph).
 ``is_compileable`` stays False: with True, ``generate`` would build 4D masks for it and compile on its own on a
-GPU, where this has not been measured. Encodings with caches of their own (SPE) or a history that grows (FastRPB)
-still break the graph.
+GPU, where this has not been measured. convSPE still breaks the graph: the noise it filters is read at the
+positions' values.
 """
 
 import torch

@@ -73,7 +73,10 @@ def units_per_axis(num_units: int, position_dims: int) -> list[int]:
 def token_blocks(num_tokens: int, elements_per_token: int, block_elements: int) -> list[slice]:
     """Slices of consecutive tokens, within ``num_tokens``, holding about ``block_elements`` elements each (at
     least one token): the blocks the positional transforms work in, small enough for a CPU's caches and for the
-    allocator's reused memory."""
+    allocator's reused memory. Compiled, one block of every token (the compiler plans the memory, and a slice
+    cannot hold a symbolic length)."""
+    if torch.compiler.is_compiling():
+        return [slice(None)]
     step = max(1, block_elements // elements_per_token)
     return [slice(start, min(start + step, num_tokens)) for start in range(0, num_tokens, step)]
 

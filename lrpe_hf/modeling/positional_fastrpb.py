@@ -121,6 +121,14 @@ class FastRelativePositionBias(PositionalEncoding):
                 f"positions span {span}; use shorter inputs or a model with a larger max_positions"
             )
 
+    def check_lags(self, lags: torch.Tensor):
+        """``check_span`` for a tensor of lags; compiled, the same check without reading a number back."""
+        if torch.compiler.is_compiling():
+            covered = (lags.abs() < self.max_positions).all()
+            torch._assert_async(covered, f"fastrpb learns biases for relative distances below {self.max_positions}")
+        else:
+            self.check_span(int(lags.abs().max()) + 1)
+
     def value_bias(self, values, key_positions, query_positions, causal, key_documents=None, query_documents=None):
         """values (B, H, T, d), zero where padded; key_positions (B, T, A); query_positions (B, N, A); the
         documents of keys (B, T) and queries (B, N) of packed rows, or None. Returns W V at the queries:
@@ -184,7 +192,7 @@ class FastRelativePositionBias(PositionalEncoding):
             lags = query_positions[..., axis, None] - key_positions[:, None, :, axis]  # (B, N, T)
             if other_document is not None:
                 lags = lags.masked_fill(other_document, 0)
-            self.check_span(int(lags.abs().max()) + 1)
+            self.check_lags(lags)
             weights = self.weights[axis][:, self.max_positions - 1 + lags].transpose(0, 1)  # (B, H, N, T)
             if causal:
                 weights = weights.masked_fill((lags < 0)[:, None], 0.0)

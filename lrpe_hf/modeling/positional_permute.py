@@ -81,7 +81,8 @@ class CyclicPermutations(Reinitialisable):
         rows = distinct_rows(positions)
         present = [x for x in tensors if x is not None]
         B, H, N, size = present[0].shape
-        if rows.shape[0] * H * N * size <= self.BLOCK_ELEMENTS:  # one block (a decoding step): no output buffers
+        one_block = rows.shape[0] * H * N * size <= self.BLOCK_ELEMENTS  # a decoding step, say
+        if one_block or torch.compiler.is_compiling():  # no output buffers (nor out= views, which compiling refuses)
             index = self.power_indices(rows).expand(B, -1, -1, -1)
             permuted = iter([torch.gather(x, -1, index) for x in present])
             return tuple(None if x is None else next(permuted) for x in tensors)

@@ -101,8 +101,12 @@ class SPEDraw:
         return self._tensors[name]
 
     def cached(self, name: str, positions: torch.Tensor, build):
-        """``build()`` evaluated once per distinct positions tensor; identical batch rows are built once."""
+        """``build()`` evaluated once per distinct positions tensor; identical batch rows are built once. Compiled,
+        built at every call (comparing positions is a data-dependent branch; the build is a function of positions
+        and of this draw, so every layer still reads the same values)."""
         rows = distinct_rows(positions)
+        if torch.compiler.is_compiling():
+            return build(rows)
         for cached_rows, value in self._tables.get(name, []):
             if cached_rows.shape == rows.shape and torch.equal(cached_rows, rows):
                 return value
@@ -162,6 +166,8 @@ class SPECodes(Reinitialisable):
         """``build()`` from the deterministic noise and the parameters, cached until a parameter changes (its
         storage or its version counter, which every in-place update such as an optimizer step advances): one
         build for every decoding step of an eval-mode model."""
+        if torch.compiler.is_compiling():  # a compiled graph reads no version counters: it builds (and fuses) it
+            return build()
         parameters = list(self.parameters())
         if any(p.is_inference() for p in parameters):  # made under inference_mode: no version counter to watch
             return build()
@@ -284,16 +290,23 @@ def sine_table(rows: torch.Tensor, frequencies: torch.Tensor, dtype) -> torch.Te
     reduced modulo 1 in float64, so large positions stay exact, a block of tokens at a time."""
     B, N, A = rows.shape
     _, H, D, K = frequencies.shape
-    table = torch.empty(B, H, N, 2 * K, D, dtype=dtype, device=frequencies.device)
     f = frequencies.transpose(-1, -2).double()[:, :, None]  # (A, H, 1, K, D)
-    for tokens in token_blocks(N, B * H * K * D, SINE_TABLE_BLOCK_ELEMENTS):
+
+    def phase(tokens):  # (B', H, T, K, D)
         p = rows[:, None, tokens, None, None, :].double()  # (B', 1, T, 1, 1, A)
         cycles = p[..., 0] * f[0]
         for a in range(1, A):
             cycles += p[..., a] * f[a]
-        phase = cycles.frac_().to(dtype).mul_(2 * math.pi)  # (B', H, T, K, D)
-        torch.cos(phase, out=table[:, :, tokens, :K])
-        torch.sin(phase, out=table[:, :, tokens, K:])
+        return cycles.frac_().to(dtype).mul_(2 * math.pi)
+
+    if torch.compiler.is_compiling():  # in one piece: a compiled graph takes no out= views of the table
+        angles = phase(slice(None))
+        return torch.cat([angles.cos(), angles.sin()], dim=3)
+    table = torch.empty(B, H, N, 2 * K, D, dtype=dtype, device=frequencies.device)
+    for tokens in token_blocks(N, B * H * K * D, SINE_TABLE_BLOCK_ELEMENTS):
+        angles = phase(tokens)
+        torch.cos(angles, out=table[:, :, tokens, :K])
+        torch.sin(angles, out=table[:, :, tokens, K:])
     return table
 
 
