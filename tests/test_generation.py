@@ -171,6 +171,22 @@ def test_decoding_with_a_mask_of_the_new_tokens_only_continues_each_rows_real_po
     torch.testing.assert_close(logits["new tokens"], logits["every token"])
 
 
+def test_default_positions_after_given_ones_start_a_document_where_they_fall_back():
+    """Only given positions restart a document, but default positions (counting real tokens) that follow given ones
+    can fall back to or below them: they start a new document, as given positions would."""
+    from lrpe_hf import LinearAttention, LinearAttentionState
+
+    torch.manual_seed(0)
+    layer = LinearAttention(16, 2, positional_encoding="rope", causal=True).eval()
+    first, second = torch.randn(1, 3, 16), torch.randn(1, 2, 16)
+    with torch.no_grad():
+        state = LinearAttentionState()
+        layer(first, position_ids=torch.tensor([[10, 11, 12]]), state=state)
+        continued = layer(second, state=state)  # default positions 3, 4: not after 12
+        alone = layer(second, position_ids=torch.tensor([[3, 4]]), state=LinearAttentionState())
+    torch.testing.assert_close(continued, alone)
+
+
 @pytest.mark.parametrize(
     "encoding", ["none", "rope", "lrpe_orthogonal", "lrpe_unitary", "permute", "fastrpb", "spe_sine"]
 )

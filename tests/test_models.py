@@ -234,6 +234,22 @@ def test_torch_compile_forward():
     torch.testing.assert_close(compiled(ids, use_cache=False).logits, expected, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("encoding", ["permute", "fastrpb", "spe_sine", "lrpe_orthogonal"])
+def test_bidirectional_layer_compiled_equals_eager(encoding):
+    """The branches taken while compiling (permute's decay, FastRPB's span check, SPE's table and caches) give the
+    eager layer's outputs in bidirectional attention too."""
+    torch.manual_seed(0)
+    layer = lrpe_hf.LinearAttention(32, 4, positional_encoding=encoding, causal=False, max_positions=64).eval()
+    x = torch.randn(2, 12, 32)
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, -3:] = 0
+    with torch.no_grad():
+        expected = layer(x, attention_mask=mask)
+        torch._dynamo.reset()
+        compiled = torch.compile(layer, backend="eager")(x, attention_mask=mask)
+    torch.testing.assert_close(compiled, expected)
+
+
 def test_auto_classes_resolve():
     for config, auto_class, family in [
         (roberta_config(), AutoModelForSequenceClassification, "LinearRobertaForSequenceClassification"),

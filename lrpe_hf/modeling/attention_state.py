@@ -78,7 +78,8 @@ class LinearAttentionState(TensorState):
     ``num_tokens`` (B,): real tokens seen per row (the next default position); ``last_position`` (B,): the last
     real token's position (meaningful where num_tokens > 0); ``document`` (B,): the current document of a
     packed row; ``path``: the attention path's own state; ``value_history``: past values for an encoding with a
-    value bias.
+    value bias; ``given_positions``: some call gave positions (later default ones may then fall back and start a
+    document, so they are searched: ``positions.find_documents``).
     """
 
     num_tokens: torch.Tensor | None = None
@@ -86,6 +87,7 @@ class LinearAttentionState(TensorState):
     document: torch.Tensor | None = None
     path: TensorState | None = None
     value_history: ValueHistory | None = None
+    given_positions: bool = False
 
     def count(self, positions: torch.Tensor, mask: torch.Tensor | None, documents: torch.Tensor):
         """Advance the counters past this call's tokens: positions (B, N, A), mask (B, N) or None, documents

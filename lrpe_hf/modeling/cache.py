@@ -4,8 +4,10 @@ A linear-attention layer needs O(m d) numbers per head whatever the context leng
 it biases with; the softmax baseline keeps its keys and values). The cache counts tokens itself and cannot be
 cropped (a recurrent state cannot forget its last tokens).
 
-A decoding step compiles (``torch.compile(model)``) to one graph over every layer, traced once: the states keep
-their shapes from step to step and the step reads no Python count (``advance`` runs outside the graph).
+A decoding step compiles (``torch.compile(model)``) to one graph over every layer, which after a warm-up no step
+traces again: the recurrent states keep their shapes from step to step (what grows, FastRPB's history and the
+softmax baseline's keys, becomes a dynamic shape) and the step reads no Python count (``advance`` runs outside
+the graph).
 ``is_compileable`` stays False: with True, ``generate`` would build 4D masks for it and compile on its own on a
 GPU, where this has not been measured. convSPE still breaks the graph: the noise it filters is read at the
 positions' values.

@@ -12,7 +12,7 @@ tokens of each row (so left and right padding both leave the real tokens' positi
 Packed rows (padding-free batches, as ``DataCollatorWithFlattening`` makes): in 1D, a real token whose given
 position is not greater than the previous real token's starts a new document, and nothing crosses a document
 boundary, in every path (bidirectional sums, causal chunks, recurrent decoding, softmax, FastRPB's bias).
-Default positions only grow: without ``position_ids`` a row is one document.
+Default positions only grow: a row never given ``position_ids`` is one document.
 
 Incremental decoding: pass a ``LinearAttentionState`` as ``state``; the layer reads and updates it in place,
 so calling it token by token gives the same outputs as one call over the whole sequence.
@@ -27,13 +27,7 @@ from .attention_options import AttentionOptions
 from .attention_state import ValueHistory
 from .kernel_attention import KernelAttention
 from .positional_encoding import NoPositionalEncoding
-from .positions import (
-    check_position_ids,
-    default_position_ids,
-    mask_as_bool,
-    packed_documents,
-    unpacked_documents,
-)
+from .positions import check_position_ids, default_position_ids, find_documents, mask_as_bool
 from .registry import build_positional_encoding, positional_encoding_entry
 from .softmax_attention import SoftmaxAttention
 
@@ -121,7 +115,7 @@ class LinearAttention(nn.Module):
     def forward(
         self, hidden_states, attention_mask=None, position_ids=None, state=None, shared_draw=None, documents=None
     ):
-        """``documents``: ``packed_documents(...)`` of these inputs when the caller has it (a model computes it
+        """``documents``: ``find_documents(...)`` of these inputs when the caller has it (a model computes it
         once for all its layers)."""
         B, N, _ = hidden_states.shape
         mask = mask_as_bool(attention_mask, B, N)
@@ -141,11 +135,8 @@ class LinearAttention(nn.Module):
         reuse_inputs = q is projected[0] and k is projected[1]  # this call's own: the feature map may overwrite them
         if documents is None and self.options.position_dims == 2:
             documents = None, None
-        elif documents is None:  # only given positions can restart: the default ones only grow
-            packed = position_ids is not None
-            documents = (
-                packed_documents(positions, mask, state) if packed else unpacked_documents(B, N, state, q.device)
-            )
+        elif documents is None:
+            documents = find_documents(positions, mask, state, given_positions=position_ids is not None)
         starts, documents = documents
         path_state, last_position = None, None
         if state is not None:

@@ -126,10 +126,11 @@ class LinearGPTForCausalLM(LinearGPTPreTrainedModel, GenerationMixin):
         self.post_init()
 
     def _prepare_position_ids_for_generation(self, inputs_tensor, model_kwargs):
-        """None: ``generate`` leaves the positions to the model, whose defaults are the ones it would build (counted
-        from the attention mask, or continued from the cache). Default positions only grow, so each step skips the
-        search for packed documents, a data-dependent branch that would break a compiled step's graph. Positions
-        passed to ``generate`` are still used."""
+        """None: ``generate`` leaves the positions to the model, whose defaults give every real token the position
+        it would build (counted from the attention mask, or continued from the cache; padding, whose outputs are
+        zero, may differ). Default positions only grow, so each step skips the search for packed documents, a
+        data-dependent branch that would break a compiled step's graph. Positions passed to ``generate`` are still
+        used."""
         return None
 
     @can_return_tuple

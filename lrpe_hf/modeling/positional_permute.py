@@ -157,8 +157,14 @@ class PermutePositionalEncoding(PositionalEncoding):
 
     @property
     def log_decay(self):
-        """log r per head, None where every r is 1 (not looked at while compiling: a log of 0 decays nothing)."""
-        if not torch.compiler.is_compiling() and bool((self.decays == 1.0).all()):
+        """log r per head, None where every r is 1. Compiled, where the values cannot be looked at: None for
+        bidirectional attention (whose r must be 1), the log otherwise (a log of 0 decays nothing)."""
+        if torch.compiler.is_compiling():
+            if self.causal:
+                return self.decays.log()
+            torch._assert_async((self.decays == 1.0).all(), "PermuteFormer decays only in causal attention")
+            return None
+        if bool((self.decays == 1.0).all()):
             return None
         return self.decays.log()
 

@@ -53,13 +53,20 @@ def check_position_ids(position_ids, batch_size: int, num_tokens: int, position_
     return positions.expand(batch_size, -1, -1).long()
 
 
-def unpacked_documents(batch_size: int, num_tokens: int, state=None, device=None):
-    """What ``packed_documents`` finds for rows whose positions only grow, as the default ones do: no token starts
-    a document, and with a state every token continues the state's current one. (None, None) without a state."""
+def find_documents(positions, mask, state=None, given_positions=True):
+    """(starts, documents) as ``packed_documents`` returns them. Only given positions can restart, and default ones
+    that follow given ones (in ``state``) can fall back: those are searched. Positions that were never given only
+    grow, so no token starts a document and there is nothing to search (a data-dependent branch, which a compiled
+    decoding step cannot take). Records in ``state`` that positions were given."""
+    if state is not None and given_positions:
+        state.given_positions = True
+    if given_positions or (state is not None and state.given_positions):
+        return packed_documents(positions, mask, state)
     if state is None:
         return None, None
-    current = state.document if state.document is not None else torch.zeros(batch_size, dtype=torch.long, device=device)
-    return None, current[:, None].expand(batch_size, num_tokens)
+    B, N = positions.shape[:2]
+    current = state.document if state.document is not None else positions.new_zeros(B)
+    return None, current[:, None].expand(B, N)
 
 
 def packed_documents(positions, mask, state=None):

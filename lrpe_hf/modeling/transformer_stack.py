@@ -11,7 +11,7 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers import initialization as init
 
-from .positions import packed_documents, unpacked_documents
+from .positions import find_documents
 from .registry import positional_encoding_entry
 from .reinitialisable import Reinitialisable
 from .transformer_layer import LinearTransformerLayer
@@ -41,8 +41,8 @@ class LinearTransformerStack(nn.Module):
         given_positions=True,
     ):
         """hidden_states (B, N, hidden); attention_mask (B, N) bool or None; position_ids (B, N) or (B, N, 2);
-        ``given_positions``: the caller's own position_ids, which may restart (packed rows), where the default ones
-        only grow. Returns the last hidden states and, if asked, the input of every layer."""
+        ``given_positions``: the caller's own position_ids, which may restart (packed rows), not the defaults, which
+        only grow (``find_documents``). Returns the last hidden states and, if asked, the input of every layer."""
         if self.training:
             for layer in self.layers:
                 layer.self_attn.redraw_random_features()
@@ -57,11 +57,8 @@ class LinearTransformerStack(nn.Module):
         documents = None  # packed rows: found once for every layer (they all see the same tokens and positions)
         if position_ids.dim() == 2:
             first_state = cache.states[0] if cache is not None else None
-            B, N = hidden_states.shape[:2]
-            if given_positions:
-                documents = packed_documents(position_ids.expand(B, -1)[..., None], attention_mask, first_state)
-            else:
-                documents = unpacked_documents(B, N, first_state, hidden_states.device)
+            positions = position_ids.expand(hidden_states.shape[0], -1)[..., None]
+            documents = find_documents(positions, attention_mask, first_state, given_positions)
         all_hidden_states = [] if output_hidden_states else None
         for index, layer in enumerate(self.layers):
             if output_hidden_states:
