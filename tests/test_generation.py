@@ -245,3 +245,18 @@ def test_generate_leaves_positions_to_the_model_and_generates_the_same_compiled(
     torch._dynamo.reset()
     model.forward = torch.compile(model.forward, backend="eager")
     assert model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False).tolist() == expected.tolist()
+
+
+def test_a_compiled_decoding_step_refuses_a_mask_that_disagrees_with_the_cache():
+    """Compiled, the mask's past cannot be checked against the cache's count; it is checked against the real tokens
+    the cache has seen per row, from which the positions are counted."""
+    model = model_with("rope")
+    cache = LinearAttentionCache(model.config.num_hidden_layers)
+    with torch.no_grad():
+        token = model(prompt(batch=2, tokens=6), past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend="eager")
+        with pytest.raises(RuntimeError, match="past tokens do not match the cache"):
+            compiled(token, attention_mask=torch.ones(2, 6, dtype=torch.long), past_key_values=copy.deepcopy(cache))
+        compiled(token, attention_mask=torch.ones(2, 7, dtype=torch.long), past_key_values=cache)
+    assert cache.get_seq_length() == 7

@@ -18,7 +18,7 @@ from .cache import LinearAttentionCache
 from .configuration_linear_gpt import LinearGPTConfig
 from .lm_loss import causal_lm_loss
 from .positional_absolute import build_absolute_position_embedding
-from .positions import default_position_ids, mask_as_bool
+from .positions import check_mask_against_cache, default_position_ids, mask_as_bool
 from .transformer_layer import Dropout
 from .transformer_stack import LinearPreTrainedModel, LinearTransformerStack, check_single_segment
 
@@ -89,15 +89,17 @@ class LinearGPTModel(LinearGPTPreTrainedModel):
             past_key_values = LinearAttentionCache(self.config.num_hidden_layers)
         cache = past_key_values if use_cache else None
         # Compiled, a step reads no Python count (the graph would be specialised on it, one per token): a mask's past
-        # length goes unchecked, and default positions continue from the first layer's per-row counters anyway.
+        # is checked against the first layer's per-row counters instead, from which default positions continue.
         if cache is None:
             past = 0
         else:
             past = None if torch.compiler.is_compiling() else cache.seen_tokens
+        real_past = cache.states[0].num_tokens if cache is not None else None  # (B,) real tokens seen per row
         mask = mask_as_bool(attention_mask, batch_size, num_tokens, past)
+        if past is None:
+            check_mask_against_cache(attention_mask, num_tokens, real_past)
         given_positions = position_ids is not None
         if position_ids is None:
-            real_past = cache.states[0].num_tokens if cache is not None else None  # (B,) real tokens seen per row
             real_past = real_past if real_past is not None else 0
             position_ids = default_position_ids(attention_mask, batch_size, num_tokens, hidden_states.device, real_past)
         if self.position_embedding is not None:

@@ -7,7 +7,8 @@ from torch.nn import functional as F
 def mask_as_bool(attention_mask, batch_size: int, num_tokens: int, past: int | None = 0) -> torch.Tensor | None:
     """A (B, N) bool mask (True = token, False = padding) from ``attention_mask`` of shape (B, N) or, while
     decoding with ``past`` cached tokens, (B, past + N); None stays None. ``past=None``: a cached count not known
-    here (a compiled decoding step), so any length from N up is accepted."""
+    here (a compiled decoding step), so any length from N up is accepted (``check_mask_against_cache`` checks its
+    past then)."""
     if attention_mask is None:
         return None
     length = attention_mask.shape[-1]
@@ -22,6 +23,19 @@ def mask_as_bool(attention_mask, batch_size: int, num_tokens: int, past: int | N
             f"attention_mask must have shape (batch, tokens) = {expected}, got {tuple(attention_mask.shape)}"
         )
     return attention_mask[:, -num_tokens:].bool()
+
+
+def check_mask_against_cache(attention_mask, num_tokens: int, real_past):
+    """The check of ``mask_as_bool`` for a compiled decoding step, which cannot read the cache's count: a mask
+    longer than the N new tokens must hold, before them, as many real tokens per row as the cache has seen
+    (``real_past`` (B,), None before any), since positions are counted from it. A failure raises from the device
+    (``torch._assert_async``)."""
+    if attention_mask is None or attention_mask.shape[1] == num_tokens:
+        return
+    seen = attention_mask[:, :-num_tokens].long().sum(-1)
+    expected = real_past if real_past is not None else torch.zeros_like(seen)
+    matches = (seen == expected).all()
+    torch._assert_async(matches, "attention_mask's past tokens do not match the cache's: pass (batch, past + tokens)")
 
 
 def default_position_ids(attention_mask, batch_size: int, num_tokens: int, device, past=0) -> torch.Tensor:
