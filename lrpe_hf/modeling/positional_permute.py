@@ -84,18 +84,25 @@ class CyclicPermutations(Reinitialisable):
         one_block = rows.shape[0] * H * N * size <= self.BLOCK_ELEMENTS  # a decoding step, say
         if one_block or torch.compiler.is_compiling():  # no output buffers (nor out= views, which compiling refuses)
             index = self.power_indices(rows).expand(B, -1, -1, -1)
-            permuted = iter([torch.gather(x, -1, index) for x in present])
-            return tuple(None if x is None else next(permuted) for x in tensors)
-        outputs = [x.new_empty(B, H, N, size) for x in present]
+            outputs = [torch.gather(x, -1, index) for x in present]
+        else:
+            outputs = self.permute_in_blocks(rows, present)
+        permuted = iter(outputs)
+        return tuple(None if x is None else next(permuted) for x in tensors)
+
+    def permute_in_blocks(self, rows, tensors):
+        """``permute`` of ``tensors`` (B, H, N, size), a block of tokens at a time into output buffers, the indices
+        built in one workspace reused block after block. rows (B', N)."""
+        B, H, N, size = tensors[0].shape
+        outputs = [x.new_empty(B, H, N, size) for x in tensors]
         blocks = token_blocks(N, rows.shape[0] * H * size, self.BLOCK_ELEMENTS)
-        longest = max((tokens.stop - tokens.start for tokens in blocks), default=0)
+        longest = max(tokens.stop - tokens.start for tokens in blocks)
         workspace = rows.new_empty(2 * rows.shape[0] * H * longest * size)
         for tokens in blocks:
             index = self.power_indices(rows[:, tokens], workspace).expand(B, -1, -1, -1)
-            for x, out in zip(present, outputs):
+            for x, out in zip(tensors, outputs):
                 torch.gather(x[:, :, tokens], -1, index, out=out[:, :, tokens])
-        permuted = iter(outputs)
-        return tuple(None if x is None else next(permuted) for x in tensors)
+        return outputs
 
 
 class PermuteQueriesAndKeys(torch.autograd.Function):
