@@ -124,6 +124,15 @@ def running_sum_(x: torch.Tensor, block: int = 16) -> torch.Tensor:
     return x
 
 
+def decay_powers(log_decay: torch.Tensor, size: int) -> torch.Tensor:
+    """The lower-triangular (G, size, size) matrices r^(i - j) for j <= i, 0 above the diagonal: log_decay (G,) is
+    log r <= 0 (r = 0 allowed: -inf gives r^0 = 1 on the diagonal and 0 below it)."""
+    steps = torch.arange(size, device=log_decay.device)
+    lags = steps[:, None] - steps[None, :]
+    exponents = (log_decay[:, None, None] * lags.clamp_min(0)).nan_to_num(nan=0.0)  # -inf * 0 on the diagonal
+    return exponents.exp().masked_fill(lags < 0, 0.0)
+
+
 def decayed_running_sum_(x: torch.Tensor, factor: torch.Tensor, reverse: bool = False, block: int = 16):
     """x[:, i] <- x[:, i] + factor * x[:, i - 1] in place, for x (G, n, ...) and factor (G,) in [0, 1]: the running
     sum of a state that decays by ``factor`` per step; with ``reverse``, x[:, i] + factor * x[:, i + 1] from the last
@@ -133,8 +142,7 @@ def decayed_running_sum_(x: torch.Tensor, factor: torch.Tensor, reverse: bool = 
     K = min(block, n)
     padded = F.pad(x.reshape(G, n, -1), (0, 0, 0, (-n) % K))  # zeros past the end reach nothing
     steps = torch.arange(K, device=x.device)
-    lags = steps[:, None] - steps[None, :]
-    within = (factor[:, None, None] ** lags.clamp_min(0)).masked_fill(lags < 0, 0.0)  # factor^(i - j), j <= i
+    within = decay_powers(factor.log(), K)
     within = within.transpose(1, 2) if reverse else within
     sums = torch.matmul(within[:, None], padded.view(G, -1, K, padded.shape[-1]))  # (G, blocks, K, rest)
     reach = factor[:, None] ** ((K - steps) if reverse else (steps + 1))  # a neighbour's boundary sum, at each step
@@ -203,9 +211,7 @@ class ChunkDecay:
     def __init__(self, log_decay: torch.Tensor, groups: int, chunk_size: int, dtype):
         self.heads = log_decay.shape[0]
         steps = torch.arange(chunk_size, device=log_decay.device, dtype=log_decay.dtype)
-        lags = steps[:, None] - steps[None, :]
-        within = (log_decay[:, None, None] * lags.clamp_min(0)).exp().masked_fill(lags < 0, 0.0)
-        self.within = within.to(dtype)[:, None]  # (h, 1, C, C), zero above the diagonal
+        self.within = decay_powers(log_decay, chunk_size).to(dtype)[:, None]  # (h, 1, C, C), zero above the diagonal
         self.to_query = (log_decay[:, None] * (steps + 1)).exp().to(dtype)[:, None, :, None]  # (h, 1, C, 1)
         self.from_key = (log_decay[:, None] * (chunk_size - 1 - steps)).exp().to(dtype)[:, None, :, None]
         self.per_chunk = (log_decay * chunk_size).exp().to(dtype).repeat_interleave(groups // self.heads)  # (h b,)
