@@ -15,6 +15,8 @@ Shapes: B batch, H heads, N tokens, m feature dim, dv value dim.
   product (``gated_chunks``).
 """
 
+import math
+
 import torch
 from torch.nn import functional as F
 
@@ -75,13 +77,32 @@ def block_of(x, rows, heads):
     return x[rows, heads].transpose(0, 1)
 
 
-def chunks_of(x, rows, heads, chunk_size: int, dtype):
+class Scratch:
+    """Memory that the blocks of one chunked product reuse: one buffer per purpose, allocated once per call, not
+    once per block. (Freed multi-MB temporaries go back to the system, and a fresh one is faulted in page by page:
+    on a CPU that took about as long as the copy that fills it.)"""
+
+    def __init__(self):
+        self.buffers = {}
+
+    def __call__(self, purpose: str, shape, like: torch.Tensor, dtype=None) -> torch.Tensor:
+        """An uninitialised tensor of ``shape`` on ``like``'s device (in ``dtype``, or like's): the memory last
+        handed out for ``purpose``, where it is large enough."""
+        dtype = dtype or like.dtype
+        size = math.prod(shape)
+        buffer = self.buffers.get(purpose)
+        if buffer is None or buffer.numel() < size or buffer.dtype != dtype:
+            buffer = self.buffers[purpose] = like.new_empty(size, dtype=dtype)
+        return buffer[:size].view(shape)
+
+
+def chunks_of(x, rows, heads, chunk_size: int, dtype, scratch: Scratch, purpose: str):
     """The block (rows, heads) of x (B, H, N, w) as contiguous chunks (h * b * nc, C, w) in ``dtype``: a view when
-    x is laid out so already, otherwise one copy of the block (a few MB, in reused memory)."""
+    x is laid out so already, otherwise a copy of the block into ``scratch``'s memory for ``purpose``."""
     block = block_of(x, rows, heads)
     if block.dtype == dtype and block.is_contiguous():
         return block.view(-1, chunk_size, block.shape[-1])
-    chunks = block.to(dtype=dtype, memory_format=torch.contiguous_format, copy=True)
+    chunks = scratch(purpose, block.shape, block, dtype).copy_(block)
     return chunks.view(-1, chunk_size, block.shape[-1])
 
 
@@ -253,14 +274,16 @@ class ChunkedCausalProduct(torch.autograd.Function):
         out = heads_first(B, H, N, dv, v, dtype)
         denominator = heads_first(B, H, N, 1, v, dtype) if with_denominator else None
         final = heads_first(B, H, m, dv + with_denominator, v, dtype)
+        scratch = Scratch()
         for rows, heads in batch_head_blocks(B, H, nc, C):
-            qf, kf, vf = (chunks_of(x, rows, heads, C, dtype) for x in (q, k, v))
+            qf, kf, vf = (chunks_of(x, rows, heads, C, dtype, scratch, name) for name, x in zip("qkv", (q, k, v)))
             start, start_keys = ChunkedCausalProduct.initial_block(initial, rows, heads, dv, dtype)
             decay = ChunkedCausalProduct.decay_block(log_decay, heads, qf.shape[0] // nc, C, dtype)
             to_queries, from_keys, per_chunk = ChunkedCausalProduct.state_weights(decay)
             queries, keys = to_queries(qf), from_keys(kf)  # as they meet the states across chunks
-            kv = running_states(torch.bmm(keys.transpose(1, 2), vf), start, nc, per_chunk)
-            scores = ChunkedCausalProduct.masked_scores(qf, kf, decay)
+            states = scratch("states", (qf.shape[0], m, dv), qf)
+            kv = running_states(torch.bmm(keys.transpose(1, 2), vf, out=states), start, nc, per_chunk)
+            scores = ChunkedCausalProduct.masked_scores(qf, kf, decay, scratch("scores", (qf.shape[0], C, C), qf))
             out_block = block_of(out, rows, heads).view(-1, C, dv)
             torch.bmm(scores, vf, out=out_block)
             add_state_products(out_block, queries, kv, start, nc)
@@ -290,9 +313,10 @@ class ChunkedCausalProduct(torch.autograd.Function):
         return decay.to_queries, decay.from_keys, decay.per_chunk
 
     @staticmethod
-    def masked_scores(qf, kf, decay):
-        """The C x C scores q_i . k_j of each chunk, zero above the diagonal, and times r^(i - j) with a decay."""
-        scores = torch.bmm(qf, kf.transpose(1, 2))
+    def masked_scores(qf, kf, decay, out):
+        """The C x C scores q_i . k_j of each chunk, zero above the diagonal, and times r^(i - j) with a decay,
+        written to ``out``."""
+        scores = torch.bmm(qf, kf.transpose(1, 2), out=out)
         return scores.tril_() if decay is None else decay.mask_(scores)
 
     @staticmethod
@@ -313,19 +337,22 @@ class ChunkedCausalProduct(torch.autograd.Function):
         nc, dv = N // C, v.shape[-1]
         grad_q, grad_k, grad_v = (heads_first(B, H, N, x.shape[-1], x) for x in (q, k, v))
         grad_initial = heads_first(B, H, m, dv + with_denominator, initial) if initial is not None else None
+        scratch = Scratch()
         for rows, heads in batch_head_blocks(B, H, nc, C):
-            qf, kf, vf, go = (chunks_of(x, rows, heads, C, dtype) for x in (q, k, v, grad_out))
+            inputs = zip(("q", "k", "v", "grad"), (q, k, v, grad_out))
+            qf, kf, vf, go = (chunks_of(x, rows, heads, C, dtype, scratch, name) for name, x in inputs)
             start, start_keys = ChunkedCausalProduct.initial_block(initial, rows, heads, dv, dtype)
             final_go, final_gd = ChunkedCausalProduct.initial_block(grad_final, rows, heads, dv, dtype)
             decay = ChunkedCausalProduct.decay_block(log_decay, heads, qf.shape[0] // nc, C, dtype)
             to_queries, from_keys, per_chunk = ChunkedCausalProduct.state_weights(decay)
             queries, keys = to_queries(qf), from_keys(kf)
-            kv = running_states(torch.bmm(keys.transpose(1, 2), vf), start, nc, per_chunk)
+            states = scratch("states", (qf.shape[0], m, dv), qf)
+            kv = running_states(torch.bmm(keys.transpose(1, 2), vf, out=states), start, nc, per_chunk)
             later, total = later_states(queries, go, final_go, nc, per_chunk)
-            scores = ChunkedCausalProduct.masked_scores(qf, kf, decay)
-            grad_scores = torch.bmm(go, vf.transpose(1, 2))
+            scores = ChunkedCausalProduct.masked_scores(qf, kf, decay, scratch("scores", (qf.shape[0], C, C), qf))
+            grad_scores = torch.bmm(go, vf.transpose(1, 2), out=scratch("grad_scores", scores.shape, qf))
             if with_denominator:  # the denominator's gradient reaches every visible score of its row
-                gd = chunks_of(grad_denominator, rows, heads, C, dtype)
+                gd = chunks_of(grad_denominator, rows, heads, C, dtype, scratch, "grad_denominator")
                 grad_scores += gd
             grad_scores = grad_scores.tril_() if decay is None else decay.mask_(grad_scores)
             dq = ChunkedCausalProduct.target(grad_q, rows, heads, C, dtype)
@@ -394,9 +421,10 @@ class CausalKeySums(torch.autograd.Function):
         B, H, N, m = q.shape
         denominator = heads_first(B, H, N, 1, q, dtype)
         final = heads_first(B, H, m, 1, q, dtype)
+        scratch = Scratch()
         for rows, heads in batch_head_blocks(B, H, N // chunk_size, chunk_size):
-            qf = chunks_of(q, rows, heads, N, dtype)  # (h * b, N, m)
-            sums = CausalKeySums.key_sums(k, initial, rows, heads, N, chunk_size, dtype)
+            qf = chunks_of(q, rows, heads, N, dtype, scratch, "q")  # (h * b, N, m)
+            sums = CausalKeySums.key_sums(k, initial, rows, heads, N, chunk_size, dtype, scratch)
             torch.linalg.vecdot(qf, sums, out=block_of(denominator, rows, heads).view(-1, N))
             block_of(final, rows, heads).view(-1, m).copy_(sums[:, -1])
         ctx.save_for_backward(q, k, initial)
@@ -404,9 +432,9 @@ class CausalKeySums(torch.autograd.Function):
         return denominator, final
 
     @staticmethod
-    def key_sums(k, initial, rows, heads, num_tokens, chunk_size, dtype):
+    def key_sums(k, initial, rows, heads, num_tokens, chunk_size, dtype, scratch):
         """z_0 + sum_{t<=s} k_t for a block: (h * b, N, m)."""
-        sums = chunk_prefix_sums(chunks_of(k, rows, heads, num_tokens, dtype), chunk_size)
+        sums = chunk_prefix_sums(chunks_of(k, rows, heads, num_tokens, dtype, scratch, "k"), chunk_size)
         if initial is not None:
             sums += block_of(initial, rows, heads).reshape(sums.shape[0], 1, -1).to(dtype)
         return sums
@@ -418,10 +446,11 @@ class CausalKeySums(torch.autograd.Function):
         B, H, N, m = q.shape
         grad_q, grad_k = (heads_first(B, H, N, m, x) for x in (q, k))
         grad_initial = heads_first(B, H, m, 1, initial) if initial is not None else None
+        scratch = Scratch()
         for rows, heads in batch_head_blocks(B, H, N // C, C):
-            qf = chunks_of(q, rows, heads, N, dtype)
-            gd = chunks_of(grad, rows, heads, N, dtype)  # (h * b, N, 1)
-            sums = CausalKeySums.key_sums(k, initial, rows, heads, N, C, dtype)
+            qf = chunks_of(q, rows, heads, N, dtype, scratch, "q")
+            gd = chunks_of(grad, rows, heads, N, dtype, scratch, "grad")  # (h * b, N, 1)
+            sums = CausalKeySums.key_sums(k, initial, rows, heads, N, C, dtype, scratch)
             block_of(grad_q, rows, heads).copy_(sums.mul_(gd).view(block_of(grad_q, rows, heads).shape))
             later = chunk_prefix_sums(qf * gd, C, reverse=True)  # sum over s >= t
             later += block_of(grad_final, rows, heads).reshape(later.shape[0], 1, m).to(dtype)
