@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from lrpe_hf.modeling import attention_kernels
+from lrpe_hf.modeling import attention_kernels, feature_maps
 from lrpe_hf.modeling.attention_kernels import (
     bidirectional_linear_attention,
     causal_key_sums,
@@ -91,6 +91,42 @@ def test_causal_product_with_one_decay_per_head_equals_the_quadratic_formula(
     check_causal_against_quadratic(
         num_tokens, chunk_size, "per head", with_initial, False, tokens_first, with_denominator
     )
+
+
+@pytest.mark.parametrize("block_elements", [128, 1 << 20])
+@pytest.mark.parametrize("num_tokens, gated", [(29, False), (28, "per head"), (29, True), (1, False)])
+def test_causal_product_divided_as_it_goes_equals_the_quadratic_ratio(num_tokens, gated, block_elements, monkeypatch):
+    """Evaluation's path: with ``divide_eps`` the product returns out / (denominator + eps), the quadratic formula
+    on [v, 1], stored tokens-first (B, N, H, dv) as the output projection reads it: from the ungated product,
+    which divides each block (in blocks of one head and row, or all at once), with one decay per head, with
+    gates (the general product) and for one token."""
+    monkeypatch.setattr(attention_kernels, "BLOCK_ELEMENTS", block_elements)
+    torch.manual_seed(0)
+    B, H, N, m, dv, eps = 2, 3, num_tokens, 5, 6, 0.75
+    q, k = (torch.rand(B, N, H, m, dtype=torch.float64).transpose(1, 2) for _ in range(2))
+    v = torch.randn(B, N, H, dv, dtype=torch.float64).transpose(1, 2)
+    gates = None
+    if gated == "per head":
+        gates = (-0.5 * torch.rand(1, H, 1, dtype=torch.float64)).expand(B, H, N).clone()
+    elif gated:
+        gates = -torch.rand(B, H, N, dtype=torch.float64)
+    initial = torch.rand(B, H, m, dv + 1, dtype=torch.float64)
+    out, denominator, final = causal_linear_attention(q, k, v, gates, initial, 4, None, True, divide_eps=eps)
+    expected, expected_final = quadratic_causal(
+        q, k, torch.cat([v, torch.ones_like(v[..., :1])], -1), gates, initial, None
+    )
+    torch.testing.assert_close(out, expected[..., :-1] / (expected[..., -1:] + eps), atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(denominator, expected[..., -1:], atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(final, expected_final, atol=1e-10, rtol=1e-10)
+    assert (out.stride(3), out.stride(1)) == (1, dv) and out.stride(2) == H * dv  # (B, N, H, dv) in memory
+
+
+def test_causal_product_divides_as_it_goes_only_with_a_denominator_and_without_gradients():
+    q, k, v = (torch.rand(1, 2, 8, 4) for _ in range(3))
+    with pytest.raises(ValueError, match="divide_eps needs with_denominator=True"):
+        causal_linear_attention(q, k, v, with_denominator=False, divide_eps=1e-6)
+    with pytest.raises(ValueError, match="inputs that want no gradient"):
+        causal_linear_attention(q, k, v.requires_grad_(), with_denominator=True, divide_eps=1e-6)
 
 
 def check_causal_against_quadratic(
@@ -224,7 +260,11 @@ def test_mlp_that_recomputes_its_activation_has_the_plain_gradients(activation):
         torch.testing.assert_close(got, want)
 
 
-def test_shifted_elu_feature_map_keeps_the_layout_with_the_plain_gradient():
+@pytest.mark.parametrize("block", [1 << 18, 16, 7])
+def test_shifted_elu_feature_map_keeps_the_layout_with_the_plain_gradient(block, monkeypatch):
+    """1 + elu(x) a block of memory at a time (whole, in blocks of 16, in blocks of 7 with a shorter last one),
+    new and in place, against ATen's elu."""
+    monkeypatch.setattr(feature_maps, "ELEMENTWISE_BLOCK", block)
     torch.manual_seed(0)
     x = torch.randn(2, 7, 3, 5, dtype=torch.float64).transpose(1, 2).requires_grad_()  # heads not leading
     x.data[0, 0, 0, :2] = 0.0  # the kink at 0: derivative 1
@@ -234,6 +274,12 @@ def test_shifted_elu_feature_map_keeps_the_layout_with_the_plain_gradient():
     torch.testing.assert_close(out, expected)
     grad = torch.randn_like(out)
     torch.testing.assert_close(torch.autograd.grad(out, x, grad)[0], torch.autograd.grad(expected, x, grad)[0])
+    with torch.no_grad():
+        for tokens in (slice(None), slice(1, 5)):  # the projections' layout, and a view of it with gaps
+            inputs = x.clone()[:, :, tokens]
+            out = EluFeatureMap(5).in_place(inputs)
+            assert out.data_ptr() == inputs.data_ptr()
+            torch.testing.assert_close(out, expected[:, :, tokens])
 
 
 def test_shifted_relu_feature_map_keeps_the_layout_with_the_plain_gradient():

@@ -23,7 +23,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .attention_kernels import bidirectional_linear_attention, causal_key_sums, causal_linear_attention
+from .attention_kernels import (
+    bidirectional_linear_attention,
+    causal_key_sums,
+    causal_linear_attention,
+    divide_rows,
+)
 from .attention_state import TensorState
 from .gradients import wants_gradient
 from .registry import build_feature_map
@@ -33,17 +38,6 @@ def nonzero(denominator: torch.Tensor) -> torch.Tensor:
     """The denominator, with rows that underflowed (below the dtype's smallest normal number, where a ratio has
     lost its precision) set to infinity, so that their output is 0."""
     return denominator.masked_fill(denominator.abs() < torch.finfo(denominator.dtype).tiny, float("inf"))
-
-
-def divide_rows(numerator: torch.Tensor, denominator: torch.Tensor, eps, guard=None):
-    """numerator (B, H, N, d) / guard(denominator (B, H, N, 1) + eps), written in the memory order (B, N, H, d)
-    that the output projection reads: the heads are merged by a view, not by one more copy. ``eps`` is a number
-    or a tensor broadcastable to (B, H, N, 1); ``guard`` maps the denominator before its reciprocal is taken
-    (``nonzero``), or is None. Returns the result and the reciprocal (B, H, N, 1)."""
-    denominator = denominator + eps
-    reciprocal = (guard(denominator) if guard else denominator).reciprocal()
-    B, H, N, d = numerator.shape
-    return torch.mul(numerator, reciprocal, out=numerator.new_empty(B, N, H, d).transpose(1, 2)), reciprocal
 
 
 class DivideByDenominator(torch.autograd.Function):
@@ -130,16 +124,21 @@ class KernelAttention(nn.Module):
             gates = decay if gates is None else gates + decay
         tq, tk = encoding.encode_features(features.query, features.key, positions)
         with_denominator = self.normalization == "denominator"
+        # without a stabiliser or a gradient, the causal product divides by the denominator as it goes
+        divided = self.causal and with_denominator and features.log_scale is None
+        divided = divided and not wants_gradient(tq, tk, v, gates, self.eps)
         if self.causal:
             previous = state.kv if state else None
             out, denominator, kv = causal_linear_attention(
-                tq, tk, v, gates, previous, self.chunk_size, starts, with_denominator
+                tq, tk, v, gates, previous, self.chunk_size, starts, with_denominator, self.eps if divided else None
             )
         else:
             out, denominator = bidirectional_linear_attention(tq, tk, v, local_documents, with_denominator)
             kv = None
         if state is not None:
             state.kv, state.key_max = kv, features.key_max
+        if divided:
+            return out
         if self.normalization == "output_layer_norm":
             return self.layer_norm_over_heads(out, features.log_scale)
         if self.normalization == "unrotated_denominator":
