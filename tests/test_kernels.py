@@ -102,7 +102,7 @@ def test_causal_product_divided_as_it_goes_equals_the_quadratic_ratio(num_tokens
     gates (the general product) and for one token."""
     monkeypatch.setattr(attention_kernels, "BLOCK_ELEMENTS", block_elements)
     torch.manual_seed(0)
-    B, H, N, m, dv, eps = 2, 3, num_tokens, 5, 6, 0.75
+    B, H, N, m, dv, eps = 2, 3, num_tokens, 5, 6, 0.75  # an eps that moves the ratio, so its place is tested
     q, k = (torch.rand(B, N, H, m, dtype=torch.float64).transpose(1, 2) for _ in range(2))
     v = torch.randn(B, N, H, dv, dtype=torch.float64).transpose(1, 2)
     gates = None

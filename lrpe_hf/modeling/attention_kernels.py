@@ -276,9 +276,7 @@ class ChunkedCausalProduct(torch.autograd.Function):
         B, H, N, m = q.shape
         C, nc, dv = chunk_size, N // chunk_size, v.shape[-1]
         divide = eps is not None
-        out = (
-            heads_first(B, H, N, dv, v, dtype) if not divide else v.new_empty(B, N, H, dv, dtype=dtype).transpose(1, 2)
-        )
+        out = v.new_empty(B, N, H, dv, dtype=dtype).transpose(1, 2) if divide else heads_first(B, H, N, dv, v, dtype)
         denominator = heads_first(B, H, N, 1, v, dtype) if with_denominator else None
         final = heads_first(B, H, m, dv + with_denominator, v, dtype)
         scratch = Scratch()

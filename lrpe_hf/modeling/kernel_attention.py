@@ -126,7 +126,7 @@ class KernelAttention(nn.Module):
         with_denominator = self.normalization == "denominator"
         # without a stabiliser or a gradient, the causal product divides by the denominator as it goes
         divided = self.causal and with_denominator and features.log_scale is None
-        divided = divided and not wants_gradient(tq, tk, v, gates, self.eps)
+        divided = divided and not wants_gradient(tq, tk, v, gates)
         if self.causal:
             previous = state.kv if state else None
             out, denominator, kv = causal_linear_attention(
