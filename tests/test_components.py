@@ -375,13 +375,18 @@ def test_rope_rotation_matches_rotary_embedding_torch():
 
 @pytest.mark.parametrize("width", [6, 7])  # 7: one feature passes through unrotated
 @pytest.mark.parametrize("tokens_first", [False, True])  # the projections' layout: pairs read in place (width 6)
-def test_rotation_of_queries_and_keys_has_the_gradients_of_the_written_out_rotation(width, tokens_first):
+@pytest.mark.parametrize("block_elements", [None, 80])  # 80: blocks of 2 tokens, the last one short
+def test_rotation_of_queries_and_keys_has_the_gradients_of_the_written_out_rotation(
+    width, tokens_first, block_elements, monkeypatch
+):
     """The lighter backward (outputs turned back by -angle, the angles recomputed from the positions) against
     autograd through the real 2x2 rotation [e cos - o sin, e sin + o cos], angles position * theta shared by the
-    batch, theta learnable as for LRPE's Type 2; and the plain path without autograd (decoding) gives the same
-    rotation."""
-    from lrpe_hf.modeling.positional_rope import rotate_queries_and_keys
+    batch, theta learnable as for LRPE's Type 2, in one block of tokens and in several; and the plain path
+    without autograd (decoding) gives the same rotation."""
+    from lrpe_hf.modeling.positional_rope import RotateQueriesAndKeys, rotate_queries_and_keys
 
+    if block_elements:
+        monkeypatch.setattr(RotateQueriesAndKeys, "BLOCK_ELEMENTS", block_elements)
     torch.manual_seed(0)
 
     def features():  # (2, 3, 5, width): batch, heads, tokens
@@ -416,13 +421,17 @@ def test_rotation_of_queries_and_keys_has_the_gradients_of_the_written_out_rotat
 
 
 @pytest.mark.parametrize("position_dims, same_rows", [(1, True), (1, False), (2, False)])
-def test_unitary_lift_has_the_gradients_of_the_written_out_lift(position_dims, same_rows):
+@pytest.mark.parametrize("block_elements", [None, 40])  # 40: blocks of 2 tokens (1 with distinct rows), one short
+def test_unitary_lift_has_the_gradients_of_the_written_out_lift(position_dims, same_rows, block_elements, monkeypatch):
     """LRPE Type 1's [x cos, x sin], x = q, k, with angles position * alpha and the lighter backward (x read back
     from the outputs, the angles recomputed from the positions) against autograd through the written-out
-    expression: the gradients of q, k and the learnable alpha; 1D and 2D positions, rows sharing them or not."""
+    expression: the gradients of q, k and the learnable alpha, also when only the keys' output is used; 1D and
+    2D positions, rows sharing them or not; in one block of tokens and in several."""
     from lrpe_hf.modeling.positional_encoding import axis_of_each
     from lrpe_hf.modeling.positional_lrpe import UnitaryLift
 
+    if block_elements:
+        monkeypatch.setattr(UnitaryLift, "BLOCK_ELEMENTS", block_elements)
     torch.manual_seed(0)
     B, H, N, m = 2, 3, 5, 4
     q, k = (torch.randn(B, H, N, m, dtype=torch.float64, requires_grad=True) for _ in range(2))
@@ -436,8 +445,12 @@ def test_unitary_lift_has_the_gradients_of_the_written_out_lift(position_dims, s
     for got, want in zip(ours, expected):
         torch.testing.assert_close(got, want)
     for g, w in zip(
-        torch.autograd.grad(ours, (q, k, alpha), grads), torch.autograd.grad(expected, (q, k, alpha), grads)
+        torch.autograd.grad(ours, (q, k, alpha), grads, retain_graph=True),
+        torch.autograd.grad(expected, (q, k, alpha), grads, retain_graph=True),
     ):
+        torch.testing.assert_close(g, w)
+    keys_only = torch.autograd.grad(ours[1], (k, alpha), grads[1])
+    for g, w in zip(keys_only, torch.autograd.grad(expected[1], (k, alpha), grads[1])):
         torch.testing.assert_close(g, w)
 
 

@@ -104,6 +104,16 @@ def unit_angles(positions: torch.Tensor, frequencies: torch.Tensor, axis: torch.
     return turns.frac_().mul_(2 * math.pi).to(torch.promote_types(dtype, torch.float32))
 
 
+def angle_blocks(positions, frequencies, axis, dtype, shape, block_elements):
+    """``(tokens, unit_angles(positions[:, tokens], ...))`` for consecutive blocks of the tokens of features of
+    ``shape`` (B, H, N, width), each holding about ``block_elements`` feature elements: the angles of a rotation
+    made and used a block at a time, so that neither they nor the float64 turns behind them are made whole."""
+    rows = distinct_rows(positions)
+    B, H, N, width = shape
+    for tokens in token_blocks(N, B * H * width, block_elements):
+        yield tokens, unit_angles(rows[:, tokens], frequencies, axis, dtype)
+
+
 def frequency_gradient(grad_angles: torch.Tensor, positions: torch.Tensor, axis: torch.Tensor) -> torch.Tensor:
     """The gradient of the frequencies (H, U) of ``unit_angles`` from that of its angles (B, H, N, U): for each
     unit, the sum over rows and tokens of the position along the unit's axis times the angle's gradient (the

@@ -22,7 +22,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from .gradients import wants_gradient
-from .positional_encoding import PositionalEncoding, axis_of_each, frequency_gradient, unit_angles
+from .positional_encoding import PositionalEncoding, angle_blocks, axis_of_each, frequency_gradient, unit_angles
 from .positional_permute import PermutePositionalEncoding
 from .positional_rope import RotaryPositionalEncoding, rotary_frequencies
 from .reinitialisable import Reinitialisable
@@ -119,33 +119,49 @@ class UnitaryLift(torch.autograd.Function):
     """[x cos, x sin] for x = q and k, (B, H, N, m) -> (B, H, N, 2m), with the angles position * alpha
     (``unit_angles`` of positions (B, N, A), alpha (H, m), axis (m,)). Saves the outputs (the attention keeps them
     anyway) and the positions: backward recomputes the angles, needs x only through the outputs, and turns the
-    angles' gradient sum grad_sin * y_cos - grad_cos * y_sin into alpha's (``frequency_gradient``)."""
+    angles' gradient sum grad_sin * y_cos - grad_cos * y_sin into alpha's (``frequency_gradient``).
+
+    Both directions work a block of tokens at a time, writing each product into its place in the output: the
+    block's cos, sin and products stay in cache, and no full-size temporary (nor the concatenation) is made."""
+
+    BLOCK_ELEMENTS = 1 << 18  # elements of x in one block (1 MB in float32)
 
     @staticmethod
     def forward(ctx, q, k, positions, alpha, axis):
-        lifted = lift(q, k, unit_angles(positions, alpha.detach(), axis, q.dtype))
+        m = alpha.shape[-1]
+        lifted = [x.new_empty(*x.shape[:-1], 2 * m) for x in (q, k)]
+        blocks = angle_blocks(positions, alpha.detach(), axis, q.dtype, q.shape, UnitaryLift.BLOCK_ELEMENTS)
+        for tokens, angles in blocks:
+            cos, sin = angles.cos().to(q.dtype), angles.sin().to(q.dtype)
+            for x, y in zip((q, k), lifted):
+                torch.mul(x[:, :, tokens], cos, out=y[:, :, tokens, :m])
+                torch.mul(x[:, :, tokens], sin, out=y[:, :, tokens, m:])
         ctx.save_for_backward(*lifted, positions, alpha, axis)
-        return lifted
+        return tuple(lifted)
 
     @staticmethod
     def backward(ctx, grad_q, grad_k):
         *lifted, positions, alpha, axis = ctx.saved_tensors
-        angles = unit_angles(positions, alpha, axis, lifted[0].dtype)
-        m = angles.shape[-1]
-        cos, sin = angles.cos().to(lifted[0].dtype), angles.sin().to(lifted[0].dtype)
-        grads, grad_angles = [], 0
-        for y, grad in zip(lifted, (grad_q, grad_k)):
-            if grad is None:
-                grads.append(None)
-                continue
-            grad_along_cos, grad_along_sin = grad.split(m, dim=-1)
-            grads.append(grad_along_cos * cos + grad_along_sin * sin)
-            if ctx.needs_input_grad[3]:  # y_cos = x cos, y_sin = x sin: d/d angle = (-y_sin, y_cos)
-                along_cos, along_sin = y.split(m, dim=-1)
-                grad_angles = grad_angles + grad_along_sin * along_cos - grad_along_cos * along_sin
-        grad_alpha = None
-        if ctx.needs_input_grad[3]:
-            grad_alpha = frequency_gradient(grad_angles, positions, axis).to(alpha.dtype)
+        m, dtype = alpha.shape[-1], lifted[0].dtype
+        grads = [None if g is None else y.new_empty(*y.shape[:-1], m) for y, g in zip(lifted, (grad_q, grad_k))]
+        terms = [(y, g, grad_x) for y, g, grad_x in zip(lifted, (grad_q, grad_k), grads) if g is not None]
+        want_alpha = ctx.needs_input_grad[3]
+        grad_angles = lifted[0].new_empty(*lifted[0].shape[:-1], m) if want_alpha else None
+        shape = terms[0][2].shape
+        for tokens, angles in angle_blocks(positions, alpha.detach(), axis, dtype, shape, UnitaryLift.BLOCK_ELEMENTS):
+            cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+            for index, (y, grad, grad_x) in enumerate(terms):
+                grad_cos, grad_sin = grad[:, :, tokens, :m], grad[:, :, tokens, m:]
+                torch.mul(grad_cos, cos, out=grad_x[:, :, tokens]).addcmul_(grad_sin, sin)
+                if want_alpha:  # y_cos = x cos, y_sin = x sin: d/d angle = (-y_sin, y_cos)
+                    along_cos, along_sin = y[:, :, tokens, :m], y[:, :, tokens, m:]
+                    slope = grad_angles[:, :, tokens]
+                    if index == 0:
+                        torch.mul(grad_sin, along_cos, out=slope)
+                    else:
+                        slope.addcmul_(grad_sin, along_cos)
+                    slope.addcmul_(grad_cos, along_sin, value=-1)
+        grad_alpha = frequency_gradient(grad_angles, positions, axis).to(alpha.dtype) if want_alpha else None
         return *grads, None, grad_alpha, None
 
 

@@ -7,7 +7,14 @@ half of the pairs follows the row and the second half the column, each half with
 import torch
 
 from .gradients import wants_gradient
-from .positional_encoding import PositionalEncoding, axis_of_each, frequency_gradient, unit_angles, units_per_axis
+from .positional_encoding import (
+    PositionalEncoding,
+    angle_blocks,
+    axis_of_each,
+    frequency_gradient,
+    unit_angles,
+    units_per_axis,
+)
 
 
 def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -36,9 +43,18 @@ def viewable_as_complex(pairs: torch.Tensor) -> bool:
     return pairs.stride(-1) == 1 and pairs.storage_offset() % 2 == 0 and all(s % 2 == 0 for s in pairs.stride()[:-1])
 
 
-def multiply_pairs(x: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
-    """x (..., m) with its first P pairs read as complex numbers and multiplied by ``factor`` (..., P) complex."""
+def multiply_pairs(x: torch.Tensor, factor: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x (..., m) with its first P pairs read as complex numbers and multiplied by ``factor`` (..., P) complex;
+    written into ``out`` (x's shape) if given."""
     num_pairs = factor.shape[-1]
+    if out is not None:
+        target = out[..., : 2 * num_pairs].unflatten(-1, (num_pairs, 2))
+        if not viewable_as_complex(target):
+            return out.copy_(multiply_pairs(x, factor))
+        torch.mul(as_pairs(x, num_pairs), factor, out=torch.view_as_complex(target))
+        if 2 * num_pairs < x.shape[-1]:
+            out[..., 2 * num_pairs :] = x[..., 2 * num_pairs :]
+        return out
     rotated = torch.view_as_real(as_pairs(x, num_pairs) * factor).flatten(-2)
     if 2 * num_pairs == x.shape[-1]:
         return rotated
@@ -61,30 +77,46 @@ class RotateQueriesAndKeys(torch.autograd.Function):
     """The pair rotation of q and k (float32 or float64) by the angles position * theta (``unit_angles`` of
     positions (B, N, A), theta (H, P), axis (P,)), saving only the rotated outputs (the attention saves them too)
     and the positions: backward recomputes the angles, turns the gradient back by -angle, and gives theta's
-    gradient from the angles', Im(conj(y) grad) for each rotated pair y (``frequency_gradient``)."""
+    gradient from the angles', Im(conj(y) grad) for each rotated pair y (``frequency_gradient``).
+
+    Both directions work a block of tokens at a time (``angle_blocks``): the block's angles, factors and products
+    stay in cache, and each result is written into its place in the output, which keeps its input's layout."""
+
+    BLOCK_ELEMENTS = 1 << 18  # feature elements of one block (1 MB in float32)
 
     @staticmethod
     def forward(ctx, q, k, positions, theta, axis):
-        rotated = rotate_by_angles(q, k, unit_angles(positions, theta.detach(), axis, q.dtype))
+        rotated = [torch.empty_like(x) for x in (q, k)]
+        blocks = angle_blocks(positions, theta.detach(), axis, q.dtype, q.shape, RotateQueriesAndKeys.BLOCK_ELEMENTS)
+        for tokens, angles in blocks:
+            factor = unit_factors(angles, q.dtype)
+            for x, y in zip((q, k), rotated):
+                multiply_pairs(x[:, :, tokens], factor, out=y[:, :, tokens])
         ctx.save_for_backward(*rotated, positions, theta, axis)
-        return rotated
+        return tuple(rotated)
 
     @staticmethod
     def backward(ctx, grad_q, grad_k):
         *rotated, positions, theta, axis = ctx.saved_tensors
-        angles = unit_angles(positions, theta, axis, rotated[0].dtype)
-        num_pairs = angles.shape[-1]
-        inverse = unit_factors(-angles, rotated[0].dtype)
-        grads, grad_angles = [], 0
-        for y, grad in zip(rotated, (grad_q, grad_k)):
-            if grad is None:
-                grads.append(None)
-                continue
-            grads.append(multiply_pairs(grad, inverse))  # the rotation is orthogonal: its transpose turns back
-            if ctx.needs_input_grad[3]:  # d y / d angle = i y
-                grad_angles = grad_angles + (as_pairs(y, num_pairs).conj() * as_pairs(grad, num_pairs)).imag
+        num_pairs, dtype = theta.shape[-1], rotated[0].dtype
+        grads = [None if g is None else torch.empty_like(g) for g in (grad_q, grad_k)]
+        terms = [(y, g, grad_x) for y, g, grad_x in zip(rotated, (grad_q, grad_k), grads) if g is not None]
+        want_theta = ctx.needs_input_grad[3]
+        grad_angles = rotated[0].new_empty(*rotated[0].shape[:-1], num_pairs) if want_theta else None
+        shape = terms[0][2].shape
+        for tokens, angles in angle_blocks(positions, theta, axis, dtype, shape, RotateQueriesAndKeys.BLOCK_ELEMENTS):
+            inverse = unit_factors(-angles, dtype)  # the rotation is orthogonal: its transpose turns back
+            for index, (y, grad, grad_x) in enumerate(terms):
+                block = grad[:, :, tokens]
+                multiply_pairs(block, inverse, out=grad_x[:, :, tokens])
+                if want_theta:  # d y / d angle = i y
+                    slope = (as_pairs(y[:, :, tokens], num_pairs).conj() * as_pairs(block, num_pairs)).imag
+                    if index == 0:
+                        grad_angles[:, :, tokens] = slope
+                    else:
+                        grad_angles[:, :, tokens] += slope
         grad_theta = None
-        if ctx.needs_input_grad[3]:
+        if want_theta:
             grad_theta = frequency_gradient(grad_angles, positions, axis).to(theta.dtype)
         return *grads, None, grad_theta, None
 
