@@ -454,6 +454,29 @@ def test_unitary_lift_has_the_gradients_of_the_written_out_lift(position_dims, s
         torch.testing.assert_close(g, w)
 
 
+@pytest.mark.parametrize("learnable", [False, True])
+def test_householder_p_has_the_values_and_gradients_of_its_matrix(learnable):
+    """LRPE's Householder P, x -> x - 2 (x . v) v / |v|^2 per head (fixed v: the backward that reflects the gradient;
+    learnable v: autograd), against the explicit matrix I - 2 v v^T / v^T v applied by a matmul, values and the
+    gradients of x (in the projections' layout) and of v."""
+    from lrpe_hf.modeling.positional_lrpe import HouseholderReflection
+
+    torch.manual_seed(0)
+    p = HouseholderReflection(num_heads=3, dim=5, learnable=learnable).double()
+    with torch.no_grad():
+        p.vector.mul_(2.5)  # not unit length: the normalisation is part of P
+    x = torch.randn(2, 7, 3, 5, dtype=torch.float64).transpose(1, 2).requires_grad_()
+    v = p.vector
+    matrices = torch.eye(5, dtype=torch.float64) - 2 * v[:, :, None] * v[:, None, :] / (v * v).sum(-1)[:, None, None]
+    expected = x @ matrices.transpose(-1, -2)[None]
+    ours = p(x)
+    torch.testing.assert_close(ours, expected)
+    grad = torch.randn_like(ours)
+    inputs = (x, v) if learnable else (x,)
+    for got, want in zip(torch.autograd.grad(ours, inputs, grad), torch.autograd.grad(expected, inputs, grad)):
+        torch.testing.assert_close(got, want)
+
+
 @pytest.mark.parametrize("same_rows", [True, False])
 @pytest.mark.parametrize("block_elements", [None, 40])  # 40: blocks of 2 tokens (1 with distinct rows)
 def test_permutation_powers_have_the_gradients_of_gather(same_rows, block_elements, monkeypatch):

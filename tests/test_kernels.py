@@ -263,7 +263,7 @@ def test_mlp_that_recomputes_its_activation_has_the_plain_gradients(activation):
 @pytest.mark.parametrize("block", [1 << 18, 16, 7])
 def test_shifted_elu_feature_map_keeps_the_layout_with_the_plain_gradient(block, monkeypatch):
     """1 + elu(x) a block of memory at a time (whole, in blocks of 16, in blocks of 7 with a shorter last one),
-    new and in place, against ATen's elu."""
+    new and in place, against ATen's elu; its gradient likewise, for a gradient in the output's layout or not."""
     monkeypatch.setattr(feature_maps, "ELEMENTWISE_BLOCK", block)
     torch.manual_seed(0)
     x = torch.randn(2, 7, 3, 5, dtype=torch.float64).transpose(1, 2).requires_grad_()  # heads not leading
@@ -272,8 +272,9 @@ def test_shifted_elu_feature_map_keeps_the_layout_with_the_plain_gradient(block,
     expected = torch.nn.functional.elu(x) + 1.0
     assert out.stride() == x.stride()  # no layout copy: the products take any layout
     torch.testing.assert_close(out, expected)
-    grad = torch.randn_like(out)
-    torch.testing.assert_close(torch.autograd.grad(out, x, grad)[0], torch.autograd.grad(expected, x, grad)[0])
+    for grad in (torch.randn_like(out), torch.randn(out.shape, dtype=out.dtype)):  # out's layout, and another
+        got = torch.autograd.grad(out, x, grad, retain_graph=True)[0]
+        torch.testing.assert_close(got, torch.autograd.grad(expected, x, grad, retain_graph=True)[0])
     with torch.no_grad():
         for tokens in (slice(None), slice(1, 5)):  # the projections' layout, and a view of it with gaps
             inputs = x.clone()[:, :, tokens]

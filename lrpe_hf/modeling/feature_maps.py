@@ -108,8 +108,16 @@ class ShiftedElu(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        """grad * min(out, 1), into one new tensor, a block of memory at a time where grad and out share a layout."""
         (out,) = ctx.saved_tensors
-        return grad * out.clamp(max=1.0)
+        result = torch.empty_like(out)
+        slope, source, target = in_memory_order(out), in_memory_order(grad), in_memory_order(result)
+        if slope is None or source is None or target is None or grad.stride() != out.stride():
+            return torch.clamp(out, max=1.0, out=result).mul_(grad)
+        for start in range(0, slope.numel(), ELEMENTWISE_BLOCK):
+            block = slice(start, start + ELEMENTWISE_BLOCK)
+            torch.clamp(slope[block], max=1.0, out=target[block]).mul_(source[block])
+        return result
 
 
 class EluFeatureMap(FeatureMap):

@@ -42,7 +42,29 @@ class HouseholderReflection(Reinitialisable):
 
     def forward(self, x):  # (B, H, N, m)
         v = F.normalize(self.vector, dim=-1, eps=1e-6).to(x.dtype)[:, None, :]  # (H, 1, m)
-        return torch.addcmul(x, (x * v).sum(-1, keepdim=True), v, value=-2.0)
+        if wants_gradient(x) and not wants_gradient(v):
+            return FixedReflection.apply(x, v)
+        return reflect(x, v)
+
+
+def reflect(x, v):
+    """x - 2 (x . v) v: x (B, H, N, m), a unit v (H, 1, m) per head."""
+    return torch.addcmul(x, x @ v.transpose(-1, -2), v, value=-2.0)
+
+
+class FixedReflection(torch.autograd.Function):
+    """``reflect`` by a v that takes no gradient. I - 2 v v^T is symmetric, so backward reflects the gradient the
+    same way: nothing is saved but v, and no full-size temporary is made."""
+
+    @staticmethod
+    def forward(ctx, x, v):
+        ctx.save_for_backward(v)
+        return reflect(x, v)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (v,) = ctx.saved_tensors
+        return reflect(grad, v), None
 
 
 class OddEvenPermutation(Reinitialisable):
