@@ -41,10 +41,10 @@ def spectrum(x: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def toeplitz_from_spectrum(lag_weights: torch.Tensor, values_spectrum: torch.Tensor, S: int, n: int) -> torch.Tensor:
-    """W V from the spectrum of V (``spectrum(values, n)``), n >= 2S - 1 so that the kept outputs are free of
-    circular wrap-around: (B, H, S, d), in the spectrum's real dtype."""
+    """W V from the spectrum of V (``spectrum(values, n)``, which this overwrites), n >= 2S - 1 so that the kept
+    outputs are free of circular wrap-around: (B, H, S, d), in the spectrum's real dtype."""
     kernel = torch.fft.rfft(lag_weights.to(values_spectrum.real.dtype), n=n, dim=-1)
-    full = torch.fft.irfft(kernel[None, :, None, :] * values_spectrum, n=n, dim=-1)
+    full = torch.fft.irfft(values_spectrum.mul_(kernel[None, :, None, :]), n=n, dim=-1)
     return full[..., S - 1 : 2 * S - 1].transpose(-1, -2)
 
 
@@ -72,12 +72,13 @@ class ToeplitzProduct(torch.autograd.Function):
         n = fast_fft_size(2 * S - 1)
         grad_spectrum = spectrum(grad, n)
         grad_values = grad_weights = None
-        if ctx.needs_input_grad[1]:
-            grad_values = toeplitz_from_spectrum(lag_weights.flip(-1), grad_spectrum, S, n).to(values.dtype)
         if ctx.needs_input_grad[0]:
             # c[lag] = sum_s grad_s v_{s - lag}, circular over n >= 2S - 1, so lags -(S-1)..(S-1) do not wrap
-            correlation = torch.fft.irfft((grad_spectrum * spectrum(values, n).conj()).sum((0, 2)), n=n, dim=-1)
+            cross = spectrum(values, n).conj_physical_().mul_(grad_spectrum).sum((0, 2))
+            correlation = torch.fft.irfft(cross, n=n, dim=-1)
             grad_weights = torch.cat([correlation[:, n - S + 1 :], correlation[:, :S]], dim=-1).to(lag_weights.dtype)
+        if ctx.needs_input_grad[1]:
+            grad_values = toeplitz_from_spectrum(lag_weights.flip(-1), grad_spectrum, S, n).to(values.dtype)
         return grad_weights, grad_values
 
 
