@@ -253,6 +253,26 @@ def test_conv_spe_codes_depend_on_position_not_on_the_batch_window():
     torch.testing.assert_close(window[:, :, 300:301], alone)
 
 
+@pytest.mark.parametrize("batch, code_rows", [(1, 1), (2, 1), (2, 2)])  # rows sharing their codes, or not
+def test_conv_spe_code_mixing_has_the_values_and_gradients_of_the_einsum(batch, code_rows):
+    """convSPE's sum_d x_d codes_dr, x in the projections' layout and codes as a view with gaps (as the filtered
+    noise is), against autograd through the einsum: the values and the gradients of x and of the codes."""
+    from lrpe_hf.modeling.positional_spe import CodeMixing
+
+    torch.manual_seed(0)
+    x = torch.randn(batch, 7, 3, 4, dtype=torch.float64).transpose(1, 2).requires_grad_()  # (B, H, N, D)
+    full = torch.randn(code_rows, 3, 9, 4, 5, dtype=torch.float64, requires_grad=True)
+    codes = full[:, :, 2:]  # (B', H, N, D, R)
+    ours = CodeMixing.mix(x, codes)
+    expected = torch.einsum("bhnd,bhndr->bhnr", x, codes.expand(batch, -1, -1, -1, -1))
+    torch.testing.assert_close(ours, expected)
+    grad = torch.randn_like(expected)
+    for got, want in zip(torch.autograd.grad(ours, (x, full), grad), torch.autograd.grad(expected, (x, full), grad)):
+        torch.testing.assert_close(got, want)
+    with torch.no_grad():
+        torch.testing.assert_close(CodeMixing.mix(x, codes), expected)
+
+
 # ---------------------------------------------------------------- Performer
 def test_performer_features_approximate_the_softmax_kernel():
     torch.manual_seed(0)

@@ -444,8 +444,10 @@ class ConvSPECodes(SPECodes):
                 and index.shape[1] == grid.shape[1]
                 and bool((index[..., 0] == torch.arange(index.shape[1], device=index.device)).all())
             ):
-                return grid[None]  # one row covering lo..hi in order: no gather
-            return grid[(slice(None),) + tuple(index[..., a] for a in range(A))].transpose(0, 1)
+                codes = grid[None]  # one row covering lo..hi in order: no gather
+            else:
+                codes = grid[(slice(None),) + tuple(index[..., a] for a in range(A))].transpose(0, 1)
+            return codes.contiguous()  # once for every layer: their products fold (head, token) into one batch
 
         return draw.cached("conv_query" if is_query else "conv_key", positions, build)
 
@@ -456,12 +458,58 @@ class ConvSPECodes(SPECodes):
     def encode(self, x, positions, draw, gate, is_query):
         codes = self.codes(positions, draw, is_query).to(x.dtype)
         if gate is None:
-            return self._normalise(torch.einsum("bhnd,bhndr->bhnr", x, codes))
+            return self._normalise(CodeMixing.mix(x, codes))
         # sum_d x_d (sqrt(1 - delta_d) Qbar_d + sqrt(delta_d) eps_d), without building the gated codes
         gated = x * (1 - gate).sqrt().to(x.dtype)[None, :, None]
-        out = torch.einsum("bhnd,bhndr->bhnr", gated, codes)
+        out = CodeMixing.mix(gated, codes)
         out = out + (x * gate.sqrt().to(x.dtype)[None, :, None]) @ self.gate_noise(draw).to(x.dtype)[None]
         return self._normalise(out)
+
+
+class CodeMixing(torch.autograd.Function):
+    """sum_d x_d codes_dr for convSPE: x (B, H, N, D), codes (B', H, N, D, R) with B' 1 or B -> (B, H, N, R). Every
+    token has its own (D x R) codes, so this is one small product per (head, token), batched over them, with the
+    batch rows as its rows where the rows share the codes. The codes (N D R per head: 32 times the size of x for
+    the defaults, and shared by every layer) are never copied; their gradient, sum_b x_d grad_r, is made in their
+    own layout (as a plain outer product for one batch row), where the einsum it replaces permuted and copied it."""
+
+    @staticmethod
+    def mix(x, codes):
+        if wants_gradient(x, codes):
+            return CodeMixing.apply(x, codes)
+        return CodeMixing.product(x, codes)
+
+    @staticmethod
+    def product(x, codes):
+        if codes.shape[0] == 1:  # (H, N, B, D) @ (H, N, D, R): the rows share the codes
+            return (x.permute(1, 2, 0, 3) @ codes[0]).permute(2, 0, 1, 3)
+        return (x.unsqueeze(-2) @ codes).squeeze(-2)
+
+    @staticmethod
+    def forward(ctx, x, codes):
+        ctx.save_for_backward(x, codes)
+        return CodeMixing.product(x, codes)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, codes = ctx.saved_tensors
+        grad_x = grad_codes = None
+        if codes.shape[0] == 1:
+            rows_grad, rows_x = grad.permute(1, 2, 0, 3), x.permute(1, 2, 0, 3)  # (H, N, B, R), (H, N, B, D)
+            if ctx.needs_input_grad[0]:
+                grad_x = (rows_grad @ codes[0].transpose(-1, -2)).permute(2, 0, 1, 3)
+            if ctx.needs_input_grad[1]:
+                if x.shape[0] == 1:
+                    grad_codes = rows_x[..., 0, :, None] * rows_grad[..., 0, None, :]  # (H, N, D, R)
+                else:
+                    grad_codes = rows_x.transpose(-1, -2) @ rows_grad
+                grad_codes = grad_codes.unsqueeze(0)
+        else:
+            if ctx.needs_input_grad[0]:
+                grad_x = (grad.unsqueeze(-2) @ codes.transpose(-1, -2)).squeeze(-2)
+            if ctx.needs_input_grad[1]:
+                grad_codes = x.unsqueeze(-1) * grad.unsqueeze(-2)
+        return grad_x, grad_codes
 
 
 def fast_fft_size(n: int) -> int:
