@@ -18,6 +18,12 @@ def timed(fn, device, reps):
 def timed_alternately(fns, device, reps):
     """Medians of ``reps`` wall-clock runs of each function after one warm-up each, in milliseconds, the functions
     taking turns in every round (so that a shared machine's changing load touches them alike)."""
+    return [statistics.median(fn_times) for fn_times in sample_alternately(fns, device, reps)]
+
+
+def sample_alternately(fns, device, reps):
+    """Every one of ``reps`` wall-clock runs of each function after one warm-up each, in milliseconds: a list per
+    function, the functions taking turns in every round."""
     times = [[] for _ in fns]
     for round_index in range(reps + 1):
         for fn, fn_times in zip(fns, times):
@@ -28,8 +34,8 @@ def timed_alternately(fns, device, reps):
             if device == "cuda":
                 torch.cuda.synchronize()
             if round_index:
-                fn_times.append(time.perf_counter() - start)
-    return [1000 * statistics.median(fn_times) for fn_times in times]
+                fn_times.append(1000 * (time.perf_counter() - start))
+    return times
 
 
 def allocator_note() -> str:
