@@ -234,6 +234,24 @@ def test_torch_compile_forward():
     torch.testing.assert_close(compiled(ids, use_cache=False).logits, expected, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("encoding", ["lrpe_orthogonal", "lrpe_unitary"])
+def test_compiled_training_layer_has_the_eager_values_and_gradients(encoding):
+    """The blockwise rotation, Type 1 lift and Householder P take one block while compiling, written without complex
+    views of their outputs: a compiled training layer (traced by dynamo and AOT autograd) gives eager's outputs
+    and gradients, the learned angles' included."""
+    torch.manual_seed(0)
+    layer = lrpe_hf.LinearAttention(32, 4, positional_encoding=encoding, causal=True)
+    x = torch.randn(2, 70, 32, requires_grad=True)
+    inputs = [x] + [p for p in layer.parameters() if p.requires_grad]
+    expected = layer(x)
+    grad = torch.randn_like(expected)
+    torch._dynamo.reset()
+    got = torch.compile(layer, backend="aot_eager")(x)
+    torch.testing.assert_close(got, expected)
+    for g, w in zip(torch.autograd.grad(got, inputs, grad), torch.autograd.grad(expected, inputs, grad)):
+        torch.testing.assert_close(g, w)
+
+
 @pytest.mark.parametrize("encoding", ["permute", "fastrpb", "spe_sine", "lrpe_orthogonal"])
 def test_bidirectional_layer_compiled_equals_eager(encoding):
     """The branches taken while compiling (permute's decay, FastRPB's span check, SPE's table and caches) give the

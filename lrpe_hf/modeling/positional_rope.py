@@ -45,11 +45,12 @@ def viewable_as_complex(pairs: torch.Tensor) -> bool:
 
 def multiply_pairs(x: torch.Tensor, factor: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """x (..., m) with its first P pairs read as complex numbers and multiplied by ``factor`` (..., P) complex;
-    written into ``out`` (x's shape) if given."""
+    written into ``out`` (x's shape) if given (through a copy while compiling: a compiled graph takes no complex
+    views of an output)."""
     num_pairs = factor.shape[-1]
     if out is not None:
         target = out[..., : 2 * num_pairs].unflatten(-1, (num_pairs, 2))
-        if not viewable_as_complex(target):
+        if torch.compiler.is_compiling() or not viewable_as_complex(target):
             return out.copy_(multiply_pairs(x, factor))
         torch.mul(as_pairs(x, num_pairs), factor, out=torch.view_as_complex(target))
         if 2 * num_pairs < x.shape[-1]:
