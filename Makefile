@@ -71,6 +71,7 @@ test: install harness
 
 benchmark: install
 	$(PYTHON) benchmarks/benchmark_attention.py
+	$(PYTHON) benchmarks/benchmark_encodings.py
 	$(PYTHON) benchmarks/benchmark_models.py
 
 clean:
