@@ -16,7 +16,6 @@ def test_encodings_benchmark_reports_every_encoding_over_none(tmp_path):
     with open(tmp_path / "encodings.csv") as f:
         rows = list(csv.DictReader(f))
     assert [r["encoding"] for r in rows] == ["none", "rope", "fastrpb"]  # none first: the others are over it
-    assert float(rows[0]["fastest_over_none"]) == 1.0
     assert all(float(r["fastest_ms"]) > 0 for r in rows)
     assert [r["target"] for r in rows] == ["1.15", "1.15", "1.15"]
     assert "| fastrpb |" in (tmp_path / "encodings.md").read_text()

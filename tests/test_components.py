@@ -395,14 +395,15 @@ def test_rope_rotation_matches_rotary_embedding_torch():
 
 @pytest.mark.parametrize("width", [6, 7])  # 7: one feature passes through unrotated
 @pytest.mark.parametrize("tokens_first", [False, True])  # the projections' layout: pairs read in place (width 6)
-@pytest.mark.parametrize("block_elements", [None, 80])  # 80: blocks of 2 tokens, the last one short
+@pytest.mark.parametrize("block_elements", [None, 80])  # 80: blocks of 2 tokens (1 at width 7), the last one short
+@pytest.mark.parametrize("same_rows", [True, False])  # batch rows sharing their positions, or not
 def test_rotation_of_queries_and_keys_has_the_gradients_of_the_written_out_rotation(
-    width, tokens_first, block_elements, monkeypatch
+    width, tokens_first, block_elements, same_rows, monkeypatch
 ):
     """The lighter backward (outputs turned back by -angle, the angles recomputed from the positions) against
-    autograd through the real 2x2 rotation [e cos - o sin, e sin + o cos], angles position * theta shared by the
-    batch, theta learnable as for LRPE's Type 2, in one block of tokens and in several; and the plain path
-    without autograd (decoding) gives the same rotation."""
+    autograd through the real 2x2 rotation [e cos - o sin, e sin + o cos], angles position * theta, theta learnable
+    as for LRPE's Type 2, in one block of tokens and in several, for the gradients of q and k together and of
+    either alone; and the plain path without autograd (decoding) gives the same rotation."""
     from lrpe_hf.modeling.positional_rope import RotateQueriesAndKeys, rotate_queries_and_keys
 
     if block_elements:
@@ -416,8 +417,8 @@ def test_rotation_of_queries_and_keys_has_the_gradients_of_the_written_out_rotat
 
     q, k = features(), features()
     theta = torch.rand(3, 3, dtype=torch.float64, requires_grad=True)  # (heads, pairs)
-    positions = torch.randint(0, 40, (1, 5, 1)).expand(2, -1, -1)
-    angles = positions.double()[:, None, :, 0, None] * theta[:, None, :]  # (1, 3, 5, 3)
+    positions = torch.randint(0, 40, (1, 5, 1)).expand(2, -1, -1) if same_rows else torch.randint(0, 40, (2, 5, 1))
+    angles = positions.double()[:, None, :, 0, None] * theta[:, None, :]  # (2, 3, 5, 3)
 
     def written_out(x, cos, sin):
         even, odd, rest = x[..., 0:6:2], x[..., 1:6:2], x[..., 6:]
@@ -434,14 +435,19 @@ def test_rotation_of_queries_and_keys_has_the_gradients_of_the_written_out_rotat
         for got, want in zip(rotate_queries_and_keys(q, k, positions, theta, axis), expected):
             torch.testing.assert_close(got, want)
     inputs = (q, k, theta)
-    got = torch.autograd.grad(ours, inputs, grads)
-    want = torch.autograd.grad(expected, inputs, grads)
+    got = torch.autograd.grad(ours, inputs, grads, retain_graph=True)
+    want = torch.autograd.grad(expected, inputs, grads, retain_graph=True)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w)
+    for alone in range(2):  # only the queries' output used, then only the keys'
+        got = torch.autograd.grad(ours[alone], (inputs[alone], theta), grads[alone], retain_graph=True)
+        want = torch.autograd.grad(expected[alone], (inputs[alone], theta), grads[alone], retain_graph=True)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w)
 
 
 @pytest.mark.parametrize("position_dims, same_rows", [(1, True), (1, False), (2, False)])
-@pytest.mark.parametrize("block_elements", [None, 40])  # 40: blocks of 2 tokens (1 with distinct rows), one short
+@pytest.mark.parametrize("block_elements", [None, 40])  # 40: blocks of one token
 def test_unitary_lift_has_the_gradients_of_the_written_out_lift(position_dims, same_rows, block_elements, monkeypatch):
     """LRPE Type 1's [x cos, x sin], x = q, k, with angles position * alpha and the lighter backward (x read back
     from the outputs, the angles recomputed from the positions) against autograd through the written-out

@@ -235,10 +235,15 @@ def test_torch_compile_forward():
 
 
 @pytest.mark.parametrize("encoding", ["lrpe_orthogonal", "lrpe_unitary"])
-def test_compiled_training_layer_has_the_eager_values_and_gradients(encoding):
-    """The blockwise rotation, Type 1 lift and Householder P take one block while compiling, written without complex
-    views of their outputs: a compiled training layer (traced by dynamo and AOT autograd) gives eager's outputs
-    and gradients, the learned angles' included."""
+def test_compiled_training_layer_has_the_eager_values_and_gradients(encoding, monkeypatch):
+    """The rotation and the Type 1 lift take one block of tokens while compiling, written without complex views of
+    their outputs: a compiled training layer (traced by dynamo and AOT autograd) gives the outputs and gradients,
+    the learned angles' included, of the eager layer working in blocks of a few tokens."""
+    from lrpe_hf.modeling.positional_lrpe import UnitaryLift
+    from lrpe_hf.modeling.positional_rope import RotateQueriesAndKeys
+
+    for function in (UnitaryLift, RotateQueriesAndKeys):
+        monkeypatch.setattr(function, "BLOCK_ELEMENTS", 1000)  # 2 rows x 4 heads x 8 features: 15 tokens a block
     torch.manual_seed(0)
     layer = lrpe_hf.LinearAttention(32, 4, positional_encoding=encoding, causal=True)
     x = torch.randn(2, 70, 32, requires_grad=True)

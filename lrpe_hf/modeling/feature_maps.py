@@ -16,6 +16,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+from torch.autograd.function import once_differentiable
 from torch.nn import functional as F
 
 from .gradients import wants_gradient
@@ -87,7 +88,7 @@ def shifted_elu(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tenso
     for 8M floats on a CPU)."""
     out = torch.empty_like(x) if out is None else out
     source, target = in_memory_order(x), in_memory_order(out)
-    if source is None or target is None or x.stride() != out.stride():
+    if not x.is_cpu or source is None or target is None or x.stride() != out.stride():  # blocks are for a CPU's caches
         return torch.add(F.elu(x), 1.0, out=out)
     below = x.new_empty(min(ELEMENTWISE_BLOCK, source.numel()))  # one buffer: a fresh one per block is faulted in
     for start in range(0, source.numel(), ELEMENTWISE_BLOCK):
@@ -107,12 +108,14 @@ class ShiftedElu(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad):
-        """grad * min(out, 1), into one new tensor, a block of memory at a time where grad and out share a layout."""
+        """grad * min(out, 1), into one new tensor, a block of memory at a time on a CPU where grad and out share a
+        layout."""
         (out,) = ctx.saved_tensors
         result = torch.empty_like(out)
         slope, source, target = in_memory_order(out), in_memory_order(grad), in_memory_order(result)
-        if slope is None or source is None or target is None or grad.stride() != out.stride():
+        if not out.is_cpu or slope is None or source is None or target is None or grad.stride() != out.stride():
             return torch.clamp(out, max=1.0, out=result).mul_(grad)
         for start in range(0, slope.numel(), ELEMENTWISE_BLOCK):
             block = slice(start, start + ELEMENTWISE_BLOCK)

@@ -77,7 +77,7 @@ def token_blocks(num_tokens: int, elements_per_token: int, block_elements: int) 
     cannot hold a symbolic length)."""
     if torch.compiler.is_compiling():
         return [slice(None)]
-    step = max(1, block_elements // elements_per_token)
+    step = max(1, block_elements // max(1, elements_per_token))  # an empty batch holds no elements
     return [slice(start, min(start + step, num_tokens)) for start in range(0, num_tokens, step)]
 
 
@@ -106,11 +106,14 @@ def unit_angles(positions: torch.Tensor, frequencies: torch.Tensor, axis: torch.
 
 def angle_blocks(positions, frequencies, axis, dtype, shape, block_elements):
     """``(tokens, unit_angles(positions[:, tokens], ...))`` for consecutive blocks of the tokens of features of
-    ``shape`` (B, H, N, width), each holding about ``block_elements`` feature elements: the angles of a rotation
-    made and used a block at a time, so that neither they nor the float64 turns behind them are made whole."""
+    ``shape`` (B, H, N, width), each holding about ``block_elements`` feature elements: on a CPU, the angles of a
+    rotation made and used a block at a time, so that neither they nor the float64 turns behind them are made
+    whole and a block's passes stay in cache. On an accelerator one block: there each block costs kernel
+    launches."""
     rows = distinct_rows(positions)
     B, H, N, width = shape
-    for tokens in token_blocks(N, B * H * width, block_elements):
+    blocks = token_blocks(N, B * H * width, block_elements) if frequencies.is_cpu else [slice(None)]
+    for tokens in blocks:
         yield tokens, unit_angles(rows[:, tokens], frequencies, axis, dtype)
 
 

@@ -19,6 +19,7 @@ import math
 
 import torch
 from torch import nn
+from torch.autograd.function import once_differentiable
 from torch.nn import functional as F
 
 from .gradients import wants_gradient
@@ -162,6 +163,7 @@ class UnitaryLift(torch.autograd.Function):
         return tuple(lifted)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_q, grad_k):
         *lifted, positions, alpha, axis = ctx.saved_tensors
         m, dtype = alpha.shape[-1], lifted[0].dtype

@@ -5,6 +5,7 @@ half of the pairs follows the row and the second half the column, each half with
 """
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from .gradients import wants_gradient
 from .positional_encoding import (
@@ -97,6 +98,7 @@ class RotateQueriesAndKeys(torch.autograd.Function):
         return tuple(rotated)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_q, grad_k):
         *rotated, positions, theta, axis = ctx.saved_tensors
         num_pairs, dtype = theta.shape[-1], rotated[0].dtype
