@@ -4,13 +4,19 @@ VENV ?= .venv
 PYTHON := $(VENV)/bin/python
 OUT ?= out/demo
 
-.PHONY: install demo reproduce test harness benchmark clean
+.PHONY: install demo reproduce test harness test-compat lock benchmark clean
 
-$(VENV)/.installed: setup.cfg pyproject.toml
+# The default environment: exact versions from the lock file (`make lock` regenerates it on purpose), so that a green
+# `make test` means the same thing on any day.
+LOCK := requirements/lock.txt
+TORCH := torch==2.13.0   # the CPU wheel; keeps pip from pulling a CUDA build
+
+$(VENV)/.installed: setup.cfg pyproject.toml $(LOCK)
 	$(PYTHON_BASE) -m venv $(VENV)
-	$(PYTHON) -m pip install --quiet --upgrade pip
-	$(PYTHON) -m pip install --quiet torch==2.13.0   # the CPU wheel; keeps pip from pulling a CUDA build
-	$(PYTHON) -m pip install --quiet -e ".[train,test]"
+	$(PYTHON) -m pip install --quiet $(TORCH)
+	$(PYTHON) -m pip install --quiet -r $(LOCK)
+	$(PYTHON) -m pip install --quiet --no-deps -e .
+	$(PYTHON) -m pip check
 	touch $@
 
 install: $(VENV)/.installed
@@ -68,6 +74,37 @@ harness: install
 
 test: install harness
 	$(PYTHON) -m pytest -q tests
+
+# The two ends of the range setup.cfg declares, each in its own environment: the oldest releases of transformers and
+# torch we support, and the newest that pip finds on the day (torch's newest from PyPI is its CUDA build, which runs
+# on the CPU too). Each runs the tests that touch their interfaces, with transformers' common tests for its release.
+OLDEST := transformers==5.10.1 torch==2.7.1
+COMPAT_TESTS := tests/test_generation.py tests/test_models.py tests/test_pipelines.py tests/test_extension_api.py \
+	tests/test_scripts.py tests/test_transformers_common.py
+
+.venv-oldest/.installed: setup.cfg pyproject.toml
+	$(PYTHON_BASE) -m venv .venv-oldest
+	.venv-oldest/bin/python -m pip install --quiet $(OLDEST) -e ".[train,test]"
+	touch $@
+
+test-compat: .venv-oldest/.installed
+	test -d .venv-newest || $(PYTHON_BASE) -m venv .venv-newest
+	.venv-newest/bin/python -m pip install --quiet --upgrade --upgrade-strategy eager torch transformers -e ".[train,test]"
+	for end in oldest newest; do \
+		.venv-$$end/bin/python -c 'import torch, transformers; print("'$$end':", "transformers", transformers.__version__, "torch", torch.__version__)'; \
+		.venv-$$end/bin/python tests/fetch_transformers_harness.py || exit 1; \
+		.venv-$$end/bin/python -m pytest -q -p no:cacheprovider $(COMPAT_TESTS) || exit 1; \
+	done
+
+# Regenerate the lock file from what pip resolves today (then run `make test` and commit both).
+lock:
+	rm -rf .venv-lock
+	$(PYTHON_BASE) -m venv .venv-lock
+	.venv-lock/bin/python -m pip install --quiet $(TORCH)
+	.venv-lock/bin/python -m pip install --quiet -e ".[train,test]"
+	{ sed -n '/^#/p' $(LOCK); .venv-lock/bin/python -m pip freeze --exclude-editable | grep -v '^torch=='; } > $(LOCK).new
+	mv $(LOCK).new $(LOCK)
+	rm -rf .venv-lock
 
 benchmark: install
 	$(PYTHON) benchmarks/benchmark_attention.py

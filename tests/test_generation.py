@@ -204,7 +204,9 @@ def test_a_compiled_decoding_step_is_one_graph_traced_once_that_decodes_as_eager
     counter = CompileCounter()
     compiled = torch.compile(model, backend=counter)
     # a limit far above the steps taken: a step that traced again would show in the count, not fall back to eager
-    with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=64):
+    # (torch renamed cache_size_limit to recompile_limit in 2.7)
+    limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+    with torch.no_grad(), torch._dynamo.config.patch(**{limit: 64}):
         first = [model(ids, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1) for cache in caches]
         mask = torch.ones(2, 7, dtype=torch.long)
         explained = torch._dynamo.explain(model)(
@@ -260,3 +262,56 @@ def test_a_compiled_decoding_step_refuses_a_mask_that_disagrees_with_the_cache()
             compiled(token, attention_mask=torch.ones(2, 6, dtype=torch.long), past_key_values=copy.deepcopy(cache))
         compiled(token, attention_mask=torch.ones(2, 7, dtype=torch.long), past_key_values=cache)
     assert cache.get_seq_length() == 7
+
+
+@pytest.mark.parametrize("name", ["cache", "past_key_values", "cache_params"])
+def test_the_cache_is_taken_under_every_name_transformers_has_given_it(name):
+    """transformers 5.24 hands the cache over as ``cache``; earlier releases as ``past_key_values`` (and recurrent
+    models' ``cache_params``). Under each name, incremental decoding equals the full forward."""
+    model = model_with("permute")
+    ids = prompt(tokens=8)
+    with torch.no_grad():
+        full = model(ids, use_cache=False).logits
+        cache = LinearAttentionCache(model.config.num_hidden_layers)
+        pieces = [model(ids[:, :5], use_cache=True, **{name: cache}).logits]
+        for t in range(5, 8):
+            pieces.append(model(ids[:, t : t + 1], use_cache=True, **{name: cache}).logits)
+    torch.testing.assert_close(torch.cat(pieces, dim=1), full, atol=1e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match="Pass the cache once"):
+        model(ids, past_key_values=cache, cache=cache)
+
+
+def test_an_argument_the_model_does_not_use_raises_naming_it():
+    model = model_with()
+    cache = LinearAttentionCache(model.config.num_hidden_layers)
+    with pytest.raises(TypeError, match="does not use: recurrent_state"):
+        model(prompt(), recurrent_state=cache)
+    with pytest.raises(TypeError, match="does not use: cu_seq_lens_q"):
+        model.model(prompt(), cu_seq_lens_q=torch.tensor([0, 7]))
+    with pytest.raises(ValueError, match="cannot return attention weights"):
+        model(prompt(), output_attentions=True)
+    # what transformers passes and the model understands: the loss's token count, cache slots, return_dict
+    out = model(prompt(), labels=prompt(), num_items_in_batch=10, cache_position=torch.arange(7), return_dict=True)
+    assert out.loss is not None
+
+
+@pytest.mark.parametrize("handover", ["renamed", "dropped"])
+def test_a_generation_step_that_lost_its_cache_raises(handover, monkeypatch):
+    """A future release that hands the cache over under a name the model does not know, or not at all, must stop
+    generate at the first decoding step, not let the model decode each new token without its context."""
+    from transformers.generation import GenerationMixin
+
+    prepare = GenerationMixin.prepare_inputs_for_generation
+
+    def moved_cache(self, *args, **kwargs):
+        inputs = prepare(self, *args, **kwargs)
+        for name in ("cache", "past_key_values"):
+            if inputs.get(name) is not None:
+                cache = inputs.pop(name)
+                if handover == "renamed":
+                    inputs["recurrent_state"] = cache
+        return inputs
+
+    monkeypatch.setattr(GenerationMixin, "prepare_inputs_for_generation", moved_cache)
+    with pytest.raises(RuntimeError, match="without the cache"):
+        model_with().generate(prompt(batch=1), max_new_tokens=3, do_sample=False)

@@ -194,7 +194,9 @@ def test_gradient_checkpointing_gives_the_same_gradients(family):
         return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
     plain = gradients()
-    model.activation_checkpointing_enable()
+    # transformers 5.24 renamed gradient_checkpointing_enable (kept as a deprecated alias)
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    enable()
     checkpointed = gradients()
     assert plain.keys() == checkpointed.keys()
     for name in plain:
@@ -364,6 +366,7 @@ def test_bad_configs_and_inputs(tmp_path):
 
 REMOTE_SCRIPT = textwrap.dedent("""
     import sys
+    from pathlib import Path
     sys.modules["lrpe_hf"] = None  # lrpe_hf cannot be imported in this process
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForMaskedLM, AutoModelForImageClassification
@@ -375,11 +378,18 @@ REMOTE_SCRIPT = textwrap.dedent("""
     with torch.no_grad():
         logits = model(**inputs).logits
     torch.testing.assert_close(logits, torch.load(expected_path))
-    if kind == "gpt":
-        out = model.generate(inputs["input_ids"], max_new_tokens=3, do_sample=False)
-        assert out.shape[1] == inputs["input_ids"].shape[1] + 3
+    if kind == "gpt":  # the library's tokens, with its settings and mask
+        expected_generation = torch.load(Path(expected_path).with_name("generation.pt"))
+        for name, settings in expected_generation["settings"].items():
+            out = model.generate(
+                inputs["input_ids"], attention_mask=expected_generation["mask"], max_new_tokens=5, **settings
+            )
+            assert torch.equal(out, expected_generation["tokens"][name]), (name, out)
     print("remote ok", type(model).__name__)
 """)
+# The remote code must generate the library's tokens: greedy and beam search over a left-padded batch.
+GENERATION = {"greedy": dict(do_sample=False), "beams": dict(do_sample=False, num_beams=3)}
+LEFT_PADDING = torch.tensor([[0, 0, 0] + [1] * 6, [1] * 9])
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -390,6 +400,12 @@ def test_checkpoint_loads_as_remote_code_without_lrpe_hf(family, tmp_path):
     with torch.no_grad():
         torch.save(model(**inputs).logits, tmp_path / "expected.pt")
     torch.save(inputs, tmp_path / "inputs.pt")
+    if family == "gpt":
+        tokens = {
+            name: model.generate(inputs["input_ids"], attention_mask=LEFT_PADDING, max_new_tokens=5, **settings)
+            for name, settings in GENERATION.items()
+        }
+        torch.save(dict(settings=GENERATION, mask=LEFT_PADDING, tokens=tokens), tmp_path / "generation.pt")
     model.save_pretrained(tmp_path / "checkpoint")
     assert (tmp_path / "checkpoint" / "linear_attention.py").exists()
     script = tmp_path / "remote.py"
@@ -457,3 +473,30 @@ def test_embedding_multiplier_scales_the_token_embeddings(family):
     with torch.no_grad():
         expected = plain(inputs_embeds=3.0 * plain.get_input_embeddings()(ids)).logits
         torch.testing.assert_close(scaled(ids).logits, expected)
+
+
+@pytest.mark.parametrize("head", [LinearRobertaForSequenceClassification, LinearRobertaForMaskedLM])
+def test_trainer_gradient_accumulation_equals_one_large_batch(head, tmp_path):
+    """The Trainer divides a loss by the accumulation steps unless the model says it divides by the batch's token
+    count itself (``accepts_loss_kwargs``): two half batches must step like the whole batch, for a classification
+    head (which takes no token count) as for an LM head (which does)."""
+    from transformers import Trainer, TrainingArguments
+
+    ids = text_batch(batch=4, tokens=8)
+    labels = torch.tensor([0, 1, 1, 0]) if head is LinearRobertaForSequenceClassification else ids
+    rows = [{"input_ids": ids[i], "labels": labels[i]} for i in range(4)]
+
+    def trained(batch_size, accumulation):
+        torch.manual_seed(0)
+        model = head(roberta_config(hidden_dropout_prob=0.0, classifier_dropout=0.0))
+        args = TrainingArguments(
+            output_dir=str(tmp_path), per_device_train_batch_size=batch_size, gradient_accumulation_steps=accumulation,
+            max_steps=1, learning_rate=0.5, optim="sgd", lr_scheduler_type="constant", report_to="none",
+            save_strategy="no", use_cpu=True, seed=0, disable_tqdm=True,
+        )  # fmt: skip
+        Trainer(model=model, args=args, train_dataset=rows).train()
+        return dict(model.named_parameters())
+
+    whole, halves = trained(4, 1), trained(2, 2)
+    for name, param in whole.items():
+        torch.testing.assert_close(halves[name], param, msg=name)

@@ -16,6 +16,7 @@ from transformers.utils import can_return_tuple
 
 from .cache import LinearAttentionCache
 from .configuration_linear_gpt import LinearGPTConfig
+from .forward_arguments import CACHE_ARGUMENTS, CACHE_OUTPUT_FIELD, LOSS_ARGUMENTS, check_extra_arguments, take_cache
 from .lm_loss import causal_lm_loss
 from .positional_absolute import build_absolute_position_embedding
 from .positions import check_mask_against_cache, default_position_ids, mask_as_bool
@@ -68,7 +69,10 @@ class LinearGPTModel(LinearGPTPreTrainedModel):
         output_hidden_states=None,
         **kwargs,
     ) -> BaseModelOutputWithPast:
-        """input_ids (B, N); attention_mask (B, past + N) or (B, N), 1 for tokens, 0 for padding."""
+        """input_ids (B, N); attention_mask (B, past + N) or (B, N), 1 for tokens, 0 for padding. The cache comes
+        as ``past_key_values`` or, from transformers 5.24 on, ``cache``."""
+        past_key_values = take_cache(past_key_values, kwargs)
+        check_extra_arguments(self, kwargs)
         check_single_segment(token_type_ids)
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of input_ids and inputs_embeds")
@@ -114,11 +118,12 @@ class LinearGPTModel(LinearGPTPreTrainedModel):
         if output_hidden_states:
             all_hidden_states = tuple(all_hidden_states) + (hidden_states,)
         return BaseModelOutputWithPast(
-            last_hidden_state=hidden_states, past_key_values=cache, hidden_states=all_hidden_states
+            last_hidden_state=hidden_states, hidden_states=all_hidden_states, **{CACHE_OUTPUT_FIELD: cache}
         )
 
 
 class LinearGPTForCausalLM(LinearGPTPreTrainedModel, GenerationMixin):
+    accepts_loss_kwargs = True  # the loss divides by the Trainer's num_items_in_batch
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
 
     def __init__(self, config: LinearGPTConfig):
@@ -134,6 +139,26 @@ class LinearGPTForCausalLM(LinearGPTPreTrainedModel, GenerationMixin):
         data-dependent branch that would break a compiled step's graph. Positions passed to ``generate`` are still
         used."""
         return None
+
+    def prepare_inputs_for_generation(self, input_ids, **kwargs):
+        """transformers' preparation, less the positions it derives from the mask where the caller gave none
+        (releases before ``_prepare_position_ids_for_generation`` derive them here), and one check of it: a step
+        that feeds the model only the newest tokens must carry the cache that summarises the others. Without it the
+        model would start afresh from those tokens and decode text with no context, silently (as a forward that
+        misses a renamed cache argument would)."""
+        given_positions = kwargs.get("position_ids") is not None
+        model_inputs = super().prepare_inputs_for_generation(input_ids, **kwargs)
+        if not given_positions:
+            model_inputs.pop("position_ids", None)
+        step_ids = model_inputs.get("input_ids")
+        has_cache = any(model_inputs.get(name) is not None for name in CACHE_ARGUMENTS)
+        if step_ids is not None and step_ids.shape[1] < input_ids.shape[1] and not has_cache:
+            raise RuntimeError(
+                f"generate passed {step_ids.shape[1]} of the sequence's {input_ids.shape[1]} tokens without the cache "
+                f"of the others (looked for {', '.join(CACHE_ARGUMENTS)}): this transformers release hands the cache "
+                "over in a way this model does not know. Please report it with your transformers version."
+            )
+        return model_inputs
 
     @can_return_tuple
     def forward(
@@ -151,6 +176,8 @@ class LinearGPTForCausalLM(LinearGPTPreTrainedModel, GenerationMixin):
         **kwargs,
     ) -> CausalLMOutputWithPast:
         """labels (B, N): the input ids (shifted inside the loss); -100 is ignored."""
+        past_key_values = take_cache(past_key_values, kwargs)
+        check_extra_arguments(self, kwargs, accepted=LOSS_ARGUMENTS)
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -178,7 +205,10 @@ class LinearGPTForCausalLM(LinearGPTPreTrainedModel, GenerationMixin):
                 head_input = dict(hidden=hidden, weight=head.weight) if plain_head else {}
                 loss = causal_lm_loss(logits, labels, self.config.vocab_size, **head_input, **kwargs)
         return CausalLMOutputWithPast(
-            loss=loss, logits=logits, past_key_values=outputs.past_key_values, hidden_states=outputs.hidden_states
+            loss=loss,
+            logits=logits,
+            hidden_states=outputs.hidden_states,
+            **{CACHE_OUTPUT_FIELD: getattr(outputs, CACHE_OUTPUT_FIELD)},
         )
 
 
@@ -204,6 +234,7 @@ class LinearGPTForSequenceClassification(LinearGPTPreTrainedModel):
         output_hidden_states=None,
         **kwargs,
     ) -> SequenceClassifierOutputWithPast:
+        check_extra_arguments(self, kwargs)
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,

@@ -21,6 +21,7 @@ from .configuration_linear_roberta import LinearRobertaConfig
 from .positional_absolute import build_absolute_position_embedding
 from .positions import default_position_ids, mask_as_bool
 from .transformer_layer import Dropout
+from .forward_arguments import LOSS_ARGUMENTS, check_extra_arguments
 from .transformer_stack import LinearPreTrainedModel, LinearTransformerStack, check_single_segment
 
 
@@ -63,6 +64,7 @@ class LinearRobertaModel(LinearRobertaPreTrainedModel):
         **kwargs,
     ) -> BaseModelOutput:
         """input_ids (B, N); attention_mask (B, N), 1 for tokens, 0 for padding. Positions count real tokens."""
+        check_extra_arguments(self, kwargs)
         check_single_segment(token_type_ids)
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of input_ids and inputs_embeds")
@@ -89,6 +91,7 @@ class LinearRobertaModel(LinearRobertaPreTrainedModel):
 
 
 class LinearRobertaForMaskedLM(LinearRobertaPreTrainedModel):
+    accepts_loss_kwargs = True  # the loss divides by the Trainer's num_items_in_batch
     _tied_weights_keys = {"lm_head.decoder.weight": "model.embed_tokens.weight"}
 
     def __init__(self, config: LinearRobertaConfig):
@@ -116,6 +119,7 @@ class LinearRobertaForMaskedLM(LinearRobertaPreTrainedModel):
         **kwargs,
     ) -> MaskedLMOutput:
         """labels (B, N): token ids at masked positions, -100 elsewhere."""
+        check_extra_arguments(self, kwargs, accepted=LOSS_ARGUMENTS)
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -183,6 +187,7 @@ class LinearRobertaForSequenceClassification(LinearRobertaPreTrainedModel):
         **kwargs,
     ) -> SequenceClassifierOutput:
         """labels (B,) class ids, (B, num_labels) multi-hot floats, or (B,) floats for regression (num_labels=1)."""
+        check_extra_arguments(self, kwargs)
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -221,6 +226,7 @@ class LinearRobertaForTokenClassification(LinearRobertaPreTrainedModel):
         **kwargs,
     ) -> TokenClassifierOutput:
         """labels (B, N) class ids, -100 ignored."""
+        check_extra_arguments(self, kwargs)
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -257,6 +263,7 @@ class LinearRobertaForQuestionAnswering(LinearRobertaPreTrainedModel):
         **kwargs,
     ) -> QuestionAnsweringModelOutput:
         """start_positions, end_positions (B,): the answer span's token indices."""
+        check_extra_arguments(self, kwargs)
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,

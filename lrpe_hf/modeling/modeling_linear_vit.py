@@ -11,6 +11,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPooling, ImageClass
 from transformers.utils import can_return_tuple
 
 from .configuration_linear_vit import LinearViTConfig
+from .forward_arguments import check_extra_arguments
 from .positional_absolute import LearnedPositionEmbedding, SinusoidalPositionEmbedding
 from .transformer_layer import Dropout
 from .transformer_stack import LinearPreTrainedModel, LinearTransformerStack
@@ -100,6 +101,7 @@ class LinearViTModel(LinearViTPreTrainedModel):
 
     @can_return_tuple
     def forward(self, pixel_values=None, output_hidden_states=None, **kwargs) -> BaseModelOutputWithPooling:
+        check_extra_arguments(self, kwargs)
         if pixel_values is None:
             raise ValueError("pixel_values is required")
         output_hidden_states = (
@@ -125,6 +127,7 @@ class LinearViTForImageClassification(LinearViTPreTrainedModel):
 
     @can_return_tuple
     def forward(self, pixel_values=None, labels=None, output_hidden_states=None, **kwargs) -> ImageClassifierOutput:
+        check_extra_arguments(self, kwargs)
         outputs = self.model(pixel_values=pixel_values, output_hidden_states=output_hidden_states)
         logits = self.classifier(outputs.pooler_output)
         loss = None

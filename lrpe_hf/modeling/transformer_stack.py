@@ -89,6 +89,9 @@ class LinearPreTrainedModel(PreTrainedModel):
     """Weight initialisation and capabilities shared by the three families."""
 
     supports_gradient_checkpointing = True
+    # The Trainer passes num_items_in_batch only to a model that says it divides its loss by it (the LM heads), and
+    # divides the other losses by the gradient-accumulation steps itself.
+    accepts_loss_kwargs = False
     _no_split_modules = ["LinearTransformerLayer"]
     # No _supports_sdpa: attn_implementation does not choose anything here (the attention path is
     # config.attention; its softmax baseline always runs through SDPA), so the models stay on "eager".

@@ -1,0 +1,59 @@
+"""The keyword arguments a model's forward takes beyond its named ones, across transformers releases.
+
+transformers hands a model more than its named arguments (the Trainer's ``num_items_in_batch``, ``generate``'s
+``cache_position``), and it renames them between releases: 5.24 passes the generation cache as ``cache`` where
+earlier releases said ``past_key_values`` (and recurrent models ``cache_params``). A forward that swallowed an
+argument it does not understand would decode without its past, or ignore a mask, and say nothing. So every
+forward hands its ``**kwargs`` to ``take_cache`` and ``check_extra_arguments``: the names below are taken or
+checked, and any other name raises, naming it.
+"""
+
+from dataclasses import fields
+
+from transformers.modeling_outputs import BaseModelOutputWithPast
+
+# The names a generation cache has gone by, newest first.
+CACHE_ARGUMENTS = ("cache", "past_key_values", "cache_params")
+
+# The output field that carries the cache in the installed release ("cache" from 5.24 on).
+CACHE_OUTPUT_FIELD = "cache" if "cache" in {field.name for field in fields(BaseModelOutputWithPast)} else "past_key_values"
+
+# What a causal-LM loss takes from the Trainer: the token count over a whole accumulated batch, and labels
+# already shifted (context parallelism) with their ignore index.
+LOSS_ARGUMENTS = frozenset({"num_items_in_batch", "shift_labels", "ignore_index"})
+
+# Passed by transformers and meaningless here, each for its reason:
+# - cache_position: the slots of the new tokens in a key-value cache; a recurrent state has no slots, and the
+#   cache counts every row's real tokens itself.
+# - output_attentions (False): linear attention forms no attention matrix; True raises below.
+NEUTRAL_ARGUMENTS = frozenset({"cache_position", "output_attentions"})
+
+
+def take_cache(past_key_values, kwargs: dict):
+    """The generation cache under whichever name it came (``cache``, ``past_key_values`` or ``cache_params``),
+    removed from ``kwargs``. Two names given at once raise."""
+    given = {name: kwargs.pop(name) for name in CACHE_ARGUMENTS if name in kwargs}
+    if past_key_values is not None:
+        given["past_key_values"] = past_key_values
+    given = {name: value for name, value in given.items() if value is not None}
+    if len(given) > 1:
+        raise ValueError(f"Pass the cache once: got {' and '.join(sorted(given))}")
+    return next(iter(given.values()), None)
+
+
+def check_extra_arguments(model, kwargs: dict, accepted=frozenset()):
+    """Raise on any keyword argument of ``model.forward`` that is neither named in its signature, nor in
+    ``accepted`` (the ones its loss uses), nor neutral; and on ``output_attentions=True``."""
+    if kwargs.get("output_attentions"):
+        raise ValueError(
+            f"{type(model).__name__} cannot return attention weights (output_attentions=True): linear attention "
+            "never forms the tokens x tokens matrix"
+        )
+    unknown = sorted(set(kwargs) - NEUTRAL_ARGUMENTS - accepted)
+    if unknown:
+        raise TypeError(
+            f"{type(model).__name__}.forward got argument(s) it does not use: {', '.join(unknown)}. It refuses them "
+            "rather than ignore them, since an argument that carries inputs or state (a cache, positions, a mask) "
+            "would otherwise be lost without a word. If a transformers release passes this name, please report it "
+            "with your transformers version."
+        )
