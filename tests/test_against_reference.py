@@ -8,7 +8,7 @@ from conftest import SECOND_FEATURE_MAP, make_layer
 from reference import reference_attention
 from torch.nn import functional as F
 
-from lrpe_hf import POSITIONAL_ENCODINGS, LinearAttention
+from lrpe_hf import POSITIONAL_ENCODINGS, LinearAttention, LinearAttentionState
 
 
 def padded_inputs(causal, batch=2, tokens=11, hidden=16, seed=0):
@@ -238,3 +238,31 @@ def test_fastrpb_fft_path_with_position_gaps_and_left_padding(causal):
     toeplitz = w[:, 2047 + lags].transpose(0, 1) * allowed  # (B, H, N, N)
     out = ((attention + toeplitz @ v) * mask[:, None, :, None]).transpose(1, 2).reshape(2, N, 16)
     torch.testing.assert_close(layer(x, attention_mask=mask, position_ids=positions), layer.o_proj(out))
+
+
+@pytest.mark.parametrize("attention", ["linear", "softmax"])
+@pytest.mark.parametrize("padded_position", [0, 1, 4])
+def test_permute_decay_counts_real_tokens_whatever_position_padding_takes(padded_position, attention):
+    """Positions [0, 1, 2, 3, 4, X, 5, 6] with the token at X padded: the decay r^(p_s - p_t) runs over real tokens
+    only, whichever position the padding was given (1 is what ``masked_fill(mask == 0, 1)`` gives it)."""
+    maps = {"feature_map": "relu"} if attention == "linear" else {}
+    layer = make_layer("permute", causal=True, chunk_size=4, attention=attention, **maps)
+    x = torch.randn(2, 8, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(2, 8, dtype=torch.bool)
+    mask[0, 5] = False
+    positions = torch.tensor([[0, 1, 2, 3, 4, padded_position, 5, 6], list(range(8))])[..., None]
+    check(layer, x, mask, positions)
+
+
+@pytest.mark.parametrize("padded_position", [0, 1])
+def test_permute_decoding_in_calls_that_end_in_padding_equals_the_full_forward(padded_position):
+    """A call ending in a padded token, then the rest: the padding decays nothing in either call."""
+    layer = make_layer("permute", causal=True, feature_map="relu")
+    x = torch.randn(1, 8, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    mask = torch.tensor([[True] * 5 + [False] + [True] * 2])
+    positions = torch.tensor([[0, 1, 2, 3, 4, padded_position, 5, 6]])
+    full = layer(x, attention_mask=mask, position_ids=positions)
+    state = LinearAttentionState()
+    first = layer(x[:, :6], attention_mask=mask[:, :6], position_ids=positions[:, :6], state=state)
+    rest = layer(x[:, 6:], attention_mask=mask[:, 6:], state=state)  # default positions continue from the cache
+    torch.testing.assert_close(torch.cat([first, rest], dim=1), full)

@@ -103,13 +103,14 @@ class KernelAttention(nn.Module):
         positions,
         encoding,
         state=None,
-        last_position=None,
+        position_steps=None,
         starts=None,
         documents=None,
         reuse_inputs=False,
     ):
         """mask (B, N) bool or None; positions (B, N, A); state: this path's state (causal decoding) or None;
-        last_position (B,): the previous call's last position, or None; starts (B, N) bool: the tokens that start
+        position_steps (B, N): each real token's distance from the previous real one (0 for padding), given for an
+        encoding that decays with distance; starts (B, N) bool: the tokens that start
         a new document in a packed row, or None for one document (``documents``: their running count, unused);
         ``reuse_inputs``: q and k are the caller's temporaries, which the feature map may overwrite."""
         key_max = state.key_max if state else None
@@ -119,7 +120,7 @@ class KernelAttention(nn.Module):
         log_decay = encoding.log_decay
         if log_decay is not None and not self.causal:
             raise ValueError(f"{type(encoding).__name__} decays with distance: it is for causal attention only")
-        decay = self.decay_gates(log_decay, positions, last_position, q.dtype)
+        decay = self.decay_gates(log_decay, position_steps, q.dtype)
         if decay is not None:
             gates = decay if gates is None else gates + decay
         tq, tk = encoding.encode_features(features.query, features.key, positions)
@@ -181,13 +182,11 @@ class KernelAttention(nn.Module):
         return normed.view(B, N, H, d).transpose(1, 2)
 
     @staticmethod
-    def decay_gates(log_decay, positions, last_position, dtype):
-        """A decaying encoding's per-token log gates log_decay * (p_t - p_{t-1}): (B, H, N), or None."""
+    def decay_gates(log_decay, steps, dtype):
+        """A decaying encoding's per-token log gates log_decay * (p_t - p_prev) (B, H, N), from each real token's
+        step from the previous real token (B, N; 0 for padding, whose gate is then 1), or None."""
         if log_decay is None:
             return None
-        p = positions[..., 0]
-        before = last_position[:, None] if last_position is not None else p[:, :1]
-        steps = (p - torch.cat([before, p[:, :-1]], dim=-1)).clamp_min(0)
         dtype = torch.promote_types(dtype, torch.float32)
         return log_decay.to(dtype)[None, :, None] * steps[:, None, :].to(dtype)
 

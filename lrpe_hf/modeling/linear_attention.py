@@ -27,7 +27,7 @@ from .attention_options import AttentionOptions
 from .attention_state import ValueHistory
 from .kernel_attention import KernelAttention
 from .positional_encoding import NoPositionalEncoding
-from .positions import check_position_ids, default_position_ids, find_documents, mask_as_bool
+from .positions import check_position_ids, default_position_ids, find_documents, mask_as_bool, position_steps
 from .registry import build_positional_encoding, positional_encoding_entry
 from .softmax_attention import SoftmaxAttention
 
@@ -138,13 +138,12 @@ class LinearAttention(nn.Module):
         elif documents is None:
             documents = find_documents(positions, mask, state, given_positions=position_ids is not None)
         starts, documents = documents
-        path_state, last_position = None, None
+        path_state = None
         if state is not None:
             state.path = state.path if state.path is not None else self.attention.State()
-            path_state, last_position = state.path, state.last_position
-        out = self.attention(
-            q, k, v, mask, positions, encoding, path_state, last_position, starts, documents, reuse_inputs
-        )
+            path_state = state.path
+        steps = position_steps(positions, mask, state) if encoding.log_decay is not None else None
+        out = self.attention(q, k, v, mask, positions, encoding, path_state, steps, starts, documents, reuse_inputs)
         if encoding.has_value_bias:
             keys = (v, positions, documents)
             if state is not None:

@@ -91,19 +91,41 @@ def packed_documents(positions, mask, state=None):
     documents): the starting tokens (B, N) bool, None if none starts, and every token's document (B, N) counted
     across calls, None for unpacked rows without a state.
     """
-    B, N = positions.shape[:2]
     p = positions[..., 0]
     real = mask if mask is not None else torch.ones_like(p, dtype=torch.bool)
-    index = torch.arange(N, device=p.device).expand(B, N).masked_fill(~real, -1)
-    previous_index = F.pad(index.cummax(-1).values, (1, 0), value=-1)[:, :-1]  # the previous real token
-    previous = p.gather(-1, previous_index.clamp_min(0))
-    has_previous = previous_index >= 0
-    if state is not None and state.num_tokens is not None:
-        previous = torch.where(has_previous, previous, state.last_position[:, None])
-        has_previous = has_previous | (state.num_tokens[:, None] > 0)
+    previous, has_previous = previous_real_positions(positions, mask, state)
     starts = real & has_previous & (p <= previous)
     any_start = bool(starts.any())
     if state is None:
         return (starts, starts.long().cumsum(-1)) if any_start else (None, None)
     base = state.document if state.document is not None else torch.zeros_like(p[:, 0])
     return (starts if any_start else None), base[:, None] + starts.long().cumsum(-1)
+
+
+def previous_real_positions(positions, mask, state=None):
+    """Each token's previous real token's position (B, N), in this call or the state's last one, and whether it
+    has one (B, N) bool. positions (B, N, A) (the first axis is read); mask (B, N) bool or None; state: a
+    ``LinearAttentionState`` or None."""
+    B, N = positions.shape[:2]
+    p = positions[..., 0]
+    real = mask if mask is not None else torch.ones_like(p, dtype=torch.bool)
+    index = torch.arange(N, device=p.device).expand(B, N).masked_fill(~real, -1)
+    previous_index = F.pad(index.cummax(-1).values, (1, 0), value=-1)[:, :-1]
+    previous = p.gather(-1, previous_index.clamp_min(0))
+    has_previous = previous_index >= 0
+    if state is not None and state.num_tokens is not None:
+        previous = torch.where(has_previous, previous, state.last_position[:, None])
+        has_previous = has_previous | (state.num_tokens[:, None] > 0)
+    return previous, has_previous
+
+
+def position_steps(positions, mask, state=None):
+    """How far each real token lies from the previous real token, p_t - p_prev >= 0 (B, N); 0 for padding and for
+    a row's first real token: what a decay by distance advances by at each token, so that padding, wherever it
+    stands and whatever position it was given, decays nothing. Arguments as ``previous_real_positions``."""
+    p = positions[..., 0]
+    if mask is None and (state is None or state.num_tokens is None):  # every token real, no earlier call
+        return (p - torch.cat([p[:, :1], p[:, :-1]], dim=-1)).clamp_min(0)
+    previous, has_previous = previous_real_positions(positions, mask, state)
+    counted = has_previous if mask is None else has_previous & mask
+    return (p - previous).clamp_min(0).masked_fill(~counted, 0)

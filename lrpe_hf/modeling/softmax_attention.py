@@ -48,13 +48,14 @@ class SoftmaxAttention(nn.Module):
         positions,
         encoding,
         state=None,
-        last_position=None,
+        position_steps=None,
         starts=None,
         documents=None,
         reuse_inputs=False,
     ):
         """documents (B, N): the document of each token of a packed row, counted across calls (always given with
-        a state), or None for one document; starts and reuse_inputs are unused (see ``KernelAttention``)."""
+        a state), or None for one document; position_steps, starts and reuse_inputs are unused (see
+        ``KernelAttention``)."""
         q, k = encoding.encode_features(q, k, positions)
         B, H, N, _ = q.shape
         key_mask = mask if mask is not None else torch.ones(B, N, dtype=torch.bool, device=q.device)
