@@ -222,12 +222,12 @@ class ExponentialFeatureMap(FeatureMap):
             else:
                 offset = 1e6 * torch.cat([documents[:, :1] * 0, documents], dim=-1)[:, None].double()
                 running = (torch.cummax(sequence.double() + offset, dim=-1).values - offset).to(wide)
+            carried = running[..., -1]  # -inf while a row has seen no real key: its maximum is still unset
             finite = running.isfinite()
             first = running.masked_fill(~finite, float("inf")).amin(-1, keepdim=True)  # the first real key
             running = torch.where(finite, running, first.masked_fill(first.isinf(), 0.0))
             gates = running[..., :-1] - running[..., 1:]
             key_scale = running[..., 1:]
-            carried = running[..., -1]
         elif documents is None:
             key_scale = token_max.amax(-1, keepdim=True)
             key_scale = key_scale.masked_fill(key_scale.isinf(), 0.0).expand_as(token_max)

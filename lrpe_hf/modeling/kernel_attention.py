@@ -148,9 +148,10 @@ class KernelAttention(nn.Module):
             if denominator is not None:
                 return DivideByDenominator.divide(out, denominator, self.eps)
             return self.output_norm(out.to(self.output_norm.weight.dtype)).to(out.dtype)  # fused kernel under autocast
-        # Stabilised features: eps on the unstabilised scale. A row whose every term underflowed (logits spread
-        # over ~80 or more in float32) has no precision left: its output is 0 instead of noise or NaN.
-        eps = self.eps * torch.exp(-features.log_scale).to(out.dtype)
+        # Stabilised features: eps on the unstabilised scale, kept in float32 (or wider): exp(-log_scale) overflows
+        # half precision for logits below -11. A row whose every term underflowed (logits spread over ~80 or more
+        # in float32) has no precision left: its output is 0 instead of noise or NaN.
+        eps = self.eps * torch.exp(-features.log_scale)
         if denominator is not None:
             return DivideByDenominator.divide(out, denominator, eps, nonzero)
         # RMSNorm is scale-free: divide by the row's largest entry first, so that squaring cannot underflow.
@@ -158,7 +159,7 @@ class KernelAttention(nn.Module):
         unit = out / nonzero(peak)
         log_peak = peak.to(features.log_scale.dtype).clamp_min(torch.finfo(peak.dtype).tiny).log()
         mean_square = unit.pow(2).mean(-1, keepdim=True) + self.eps * torch.exp(-2 * (features.log_scale + log_peak))
-        return unit / nonzero(mean_square.to(out.dtype).sqrt()) * self.output_norm.weight.to(out.dtype)
+        return (unit / nonzero(mean_square.sqrt())).to(out.dtype) * self.output_norm.weight.to(out.dtype)
 
     def layer_norm_over_heads(self, out, log_scale):
         """LayerNorm over the concatenated heads: out (B, H, N, d) -> (B, H, N, d). With stabilised features each
@@ -177,8 +178,8 @@ class KernelAttention(nn.Module):
         log_peak = peak.to(reference.dtype).clamp_min(torch.finfo(peak.dtype).tiny).log()
         centred = unit - unit.mean(-1, keepdim=True)
         eps = self.eps * torch.exp(-2 * (reference[:, 0] + log_peak))  # (B, N, 1)
-        variance = centred.pow(2).mean(-1, keepdim=True) + eps.to(out.dtype)
-        normed = centred / nonzero(variance.sqrt()) * norm.weight.to(out.dtype) + norm.bias.to(out.dtype)
+        variance = centred.pow(2).mean(-1, keepdim=True) + eps  # in eps's float32: eps may overflow half precision
+        normed = (centred / nonzero(variance.sqrt())).to(out.dtype) * norm.weight.to(out.dtype) + norm.bias.to(out.dtype)
         return normed.view(B, N, H, d).transpose(1, 2)
 
     @staticmethod
