@@ -323,9 +323,11 @@ def attention_transfer_loss(student, hidden_states, attention_mask=None, loss: s
     entry ignored), (B, N, hidden); the teacher's attention is softmax(q k^T / sqrt(D)) v with the student's own
     q/k/v/o projections, which linearize copied from it. ``loss``:
     - ``output_mse`` (LoLCATs): the mean squared difference of the two attention outputs;
-    - ``attention_ce`` (Hedgehog): the cross-entropy from the teacher's attention rows to the student's
-      normalised weights sum_t <A_s phi(q_s), B_t phi(k_t)> (only for encodings whose features stay
-      non-negative).
+    - ``attention_ce`` (Hedgehog): the cross-entropy from the teacher's attention rows to the weights the student
+      layer really applies (``LinearAttention.attention_weights``: stabiliser, decay and denominator included;
+      only for the plain denominator, whose weights are non-negative).
+    Padded queries enter neither loss: the student's output there is zero by construction, and a causal teacher's
+    row there has no key.
     ``position_ids``: as the student model takes them; by default the tokens' order (1D) or, for a LinearViT
     student, the class token then a square grid of patches.
     Returns the mean over layers (a scalar).
@@ -334,38 +336,33 @@ def attention_transfer_loss(student, hidden_states, attention_mask=None, loss: s
         raise ValueError(f"Unknown attention transfer loss {loss!r}; valid values: output_mse, attention_ce")
     stack = student.model.stack if hasattr(student, "model") else student.stack
     layers = stack.layers
-    mask = None if attention_mask is None else attention_mask.bool()
-    draw = stack.shared_codes.draw(hidden_states[0].device) if stack.shared_codes is not None else None
+    B, N, _ = hidden_states[0].shape
+    device = hidden_states[0].device
+    real = torch.ones(B, N, dtype=torch.bool, device=device) if attention_mask is None else attention_mask.bool()
+    draw = stack.shared_codes.draw(device) if stack.shared_codes is not None else None
     if position_ids is None and student.config.position_dims == 2:
         position_ids = square_patch_positions(hidden_states[0])
     total = 0.0
     for layer, hidden in zip(layers, hidden_states):
         attention = layer.self_attn
         x = layer.self_attn_layer_norm(hidden) if layer.pre_norm else hidden
-        B, N, _ = x.shape
         q, k, v = (attention.split_heads(proj(x)) for proj in (attention.q_proj, attention.k_proj, attention.v_proj))
-        allowed = torch.ones(N, N, dtype=torch.bool, device=x.device)
+        allowed = real[:, None, None, :].expand(B, 1, N, N)
         if attention.options.causal:
-            allowed = allowed.tril()
-        allowed = allowed[None, None] & (mask[:, None, None, :] if mask is not None else True)
+            allowed = allowed & torch.ones(N, N, dtype=torch.bool, device=device).tril()
+        allowed = allowed | ~allowed.any(-1, keepdim=True)  # a query with no key (left padding): kept finite, unused
         logits = (q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5).masked_fill(~allowed, float("-inf"))
         teacher = logits.softmax(-1)
         if loss == "output_mse":
             target = attention.o_proj((teacher @ v).transpose(1, 2).reshape(B, N, -1))
             output = attention(x, attention_mask=attention_mask, position_ids=position_ids, shared_draw=draw)
-            total = total + torch.nn.functional.mse_loss(output, target.detach())
+            total = total + (output - target.detach()).pow(2).mean(-1).masked_select(real).mean()
             continue
         if attention.options.normalization != "denominator":
             raise ValueError("attention_ce needs non-negative weights: an encoding with the plain denominator")
-        positions = attention.positions(position_ids, mask, None, B, N, x.device)
-        q, k = attention.positional_encoding.encode_query_key(q, k, positions, draw)
-        features = attention.feature_map.features(q, k, mask, attention.options.causal)
-        tq, tk = attention.positional_encoding.encode_features(features.query, features.key, positions)
-        weights = (tq @ tk.transpose(-1, -2)).masked_fill(~allowed, 0.0)
-        student_rows = weights / weights.sum(-1, keepdim=True).clamp_min(1e-12)
-        rows = allowed.any(-1)  # (B or 1, 1, N)
+        student_rows = attention.attention_weights(x, attention_mask, position_ids, draw)
         cross_entropy = -(teacher.detach() * student_rows.clamp_min(1e-12).log()).masked_fill(~allowed, 0.0).sum(-1)
-        total = total + cross_entropy.masked_select(rows.expand_as(cross_entropy)).mean()
+        total = total + cross_entropy.masked_select(real[:, None].expand_as(cross_entropy)).mean()
     return total / len(layers)
 
 

@@ -205,3 +205,48 @@ def test_attention_ce_needs_non_negative_weights():
     hidden_states = (torch.randn(1, 5, 32),) * 3
     with pytest.raises(ValueError, match="non-negative"):
         lrpe_hf.attention_transfer_loss(student, hidden_states, loss="attention_ce")
+
+
+@pytest.mark.parametrize("loss", ["output_mse", "attention_ce"])
+@pytest.mark.parametrize("family", ["gpt2", "roberta"])
+def test_attention_transfer_loss_of_a_padded_batch_is_the_token_weighted_loss_of_each_row_alone(family, loss):
+    """Padded queries enter neither loss (left padding for the causal student, right for the bidirectional one):
+    the batch's loss is the mean over its real tokens of what each row gives alone, and finite."""
+    torch.manual_seed(0)
+    teacher = gpt2().eval() if family == "gpt2" else roberta(RobertaForMaskedLM).eval()
+    student = lrpe_hf.linearize(teacher, positional_encoding="permute", feature_map="hedgehog").eval()
+    ids = torch.randint(3, 60, (2, 9))
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[1, :4] = 0 if family == "gpt2" else 1
+    mask[1, -4:] = 1 if family == "gpt2" else 0
+    real = mask.bool()
+    with torch.no_grad():
+        positions = (mask.cumsum(-1) - 1).clamp_min(0)  # GPT-2 counts left padding otherwise
+        hidden = teacher(ids, attention_mask=mask, position_ids=positions, output_hidden_states=True).hidden_states
+        batch = lrpe_hf.attention_transfer_loss(student, hidden, mask, loss=loss)
+        alone = []
+        for row in range(2):
+            row_ids = ids[row : row + 1, real[row]]
+            row_hidden = teacher(row_ids, output_hidden_states=True).hidden_states
+            alone.append(lrpe_hf.attention_transfer_loss(student, row_hidden, loss=loss))
+    counts = real.sum(-1).double()
+    assert torch.isfinite(batch)
+    torch.testing.assert_close(batch, ((torch.stack(alone).double() * counts).sum() / counts.sum()).float())
+
+
+@pytest.mark.parametrize("fields", [dict(feature_map="exp"), dict(feature_map="performer"), dict(feature_map="elu")])
+def test_attention_weights_are_the_ones_the_layer_applies(fields):
+    """Weights times values, through the output projection, give the explicit O(N^2) formula's output: the
+    stabiliser's gates (exp, performer) and PermuteFormer's decay (causal) are in them."""
+    from conftest import make_layer
+    from reference import reference_attention
+
+    layer = make_layer("permute", causal=True, chunk_size=4, **fields)
+    x = torch.randn(2, 11, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(2, 11, dtype=torch.bool)
+    mask[1, :3] = False
+    weights = layer.attention_weights(x, mask)  # (B, H, N, N)
+    values = layer.split_heads(layer.v_proj(x)) * mask[:, None, :, None]
+    out = layer.o_proj((weights @ values).transpose(1, 2).reshape(2, 11, 16))
+    torch.testing.assert_close(out, reference_attention(layer, x, mask))
+    assert weights[1, :, :3].abs().max() == 0 and weights[1, :, :, :3].abs().max() == 0

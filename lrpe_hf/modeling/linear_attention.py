@@ -117,6 +117,32 @@ class LinearAttention(nn.Module):
     ):
         """``documents``: ``find_documents(...)`` of these inputs when the caller has it (a model computes it
         once for all its layers)."""
+        out = self.attend(hidden_states, attention_mask, position_ids, state, shared_draw, documents)
+        B, N = hidden_states.shape[:2]
+        return self.o_proj(out.transpose(1, 2).reshape(B, N, self.hidden_size))
+
+    def attention_weights(self, hidden_states, attention_mask=None, position_ids=None, shared_draw=None):
+        """The weight the layer gives each key in each query's output, (B, H, N queries, N keys): its own path
+        probed with one-hot values (value t = e_t), so every stabiliser, gate, decay and normalisation it applies
+        is in them (FastRPB's bias included). Padded queries' rows and padded keys' columns are zero. O(N^2)
+        memory: for analysis and attention transfer, not for long inputs."""
+        B, N = hidden_states.shape[:2]
+        one_hot = torch.eye(N, dtype=hidden_states.dtype, device=hidden_states.device)
+        probe = one_hot.expand(B, self.num_heads, N, N)
+        return self.attend(hidden_states, attention_mask, position_ids, None, shared_draw, None, values=probe)
+
+    def attend(
+        self,
+        hidden_states,
+        attention_mask=None,
+        position_ids=None,
+        state=None,
+        shared_draw=None,
+        documents=None,
+        values=None,
+    ):
+        """The heads' outputs before the output projection, (B, H, N, d): ``forward`` without ``o_proj``.
+        ``values`` (B, H, N, d') replace the projected values (``attention_weights``)."""
         B, N, _ = hidden_states.shape
         mask = mask_as_bool(attention_mask, B, N)
         if state is not None and not self.options.causal:
@@ -126,7 +152,8 @@ class LinearAttention(nn.Module):
             self.redraw_random_features()
         if shared_draw is None and self.shared_codes is not None:
             shared_draw = self.shared_codes.draw(hidden_states.device)
-        q, k, v = (self.split_heads(proj(hidden_states)) for proj in (self.q_proj, self.k_proj, self.v_proj))
+        q, k = (self.split_heads(proj(hidden_states)) for proj in (self.q_proj, self.k_proj))
+        v = self.split_heads(self.v_proj(hidden_states)) if values is None else values
         if mask is not None:  # padded values contribute nothing, in every path (and in saved states)
             v = v.masked_fill(~mask[:, None, :, None], 0.0)
         encoding = self.positional_encoding
@@ -154,4 +181,4 @@ class LinearAttention(nn.Module):
             out = out.masked_fill(~mask[:, None, :, None], 0.0)
         if state is not None:
             state.count(positions, mask, documents)
-        return self.o_proj(out.transpose(1, 2).reshape(B, N, self.hidden_size))
+        return out
