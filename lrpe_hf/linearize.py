@@ -52,6 +52,39 @@ for _prefix in ("Roberta", "Bert"):
     )
 
 
+# Source config fields that change the attention's maths, with the value the converted model computes: any other
+# value is refused by name rather than converted into a model that computes something else.
+ATTENTION_FIELDS = {
+    "GPT2": {
+        "scale_attn_weights": True,  # False: logits not divided by sqrt(head_dim)
+        "scale_attn_by_inverse_layer_idx": False,  # logits further divided by layer index + 1
+        "reorder_and_upcast_attn": False,  # the product reordered and upcast
+        "add_cross_attention": False,
+    },
+    "text": {
+        "position_embedding_type": "absolute",  # relative_key(_query): learned relative terms in the logits
+        "is_decoder": False,  # causal BERT/RoBERTa
+        "add_cross_attention": False,
+    },
+    "vit": {},
+}
+
+
+def check_attention_fields(config, family: str):
+    """Raise, naming each field, if the source config sets a field of ``ATTENTION_FIELDS`` to another value."""
+    changed = {
+        name: getattr(config, name)
+        for name, faithful in ATTENTION_FIELDS[family].items()
+        if getattr(config, name, faithful) != faithful
+    }
+    if changed:
+        settings = ", ".join(f"{name}={value!r}" for name, value in changed.items())
+        raise ValueError(
+            f"Cannot linearize a {config.model_type} model with {settings}: the converted model would compute other "
+            f"attention ({', '.join(f'{n}={ATTENTION_FIELDS[family][n]!r}' for n in changed)} is what it computes)"
+        )
+
+
 def linearize(model_or_path, **config_fields):
     """A LinearGPT / LinearRoberta / LinearViT model holding the weights of ``model_or_path`` (a transformers
     model, or a checkpoint folder or Hub name whose config names its architecture). ``config_fields`` set the
@@ -62,6 +95,7 @@ def linearize(model_or_path, **config_fields):
         raise ValueError(f"Cannot linearize {name}; supported architectures: {', '.join(TARGETS)}")
     family = name[:4] if name.startswith("GPT2") else ("vit" if name.startswith("ViT") else "text")
     convert = {"GPT2": gpt2, "vit": vit, "text": roberta_or_bert}[family]
+    check_attention_fields(source.config, family)
     config, weights = convert(source, config_fields)
     target = TARGETS[name](config)
     if config.absolute_position_embedding != "learned":  # the relative encoding replaces the pretrained table
@@ -114,10 +148,6 @@ def layer_norm(weights: dict, target: str, state: dict, source: str):
 # ---------------------------------------------------------------- GPT-2
 def gpt2(source, fields):
     c = source.config
-    if getattr(c, "scale_attn_by_inverse_layer_idx", False) or getattr(c, "reorder_and_upcast_attn", False):
-        raise ValueError(
-            "GPT-2 checkpoints with scale_attn_by_inverse_layer_idx or reorder_and_upcast_attn are not supported"
-        )
     config = LinearGPTConfig(
         **{
             "vocab_size": c.vocab_size,
@@ -174,8 +204,6 @@ def strip_base_prefix(weights: dict, source) -> dict:
 def roberta_or_bert(source, fields):
     c = source.config
     is_roberta = c.model_type in ("roberta", "xlm-roberta", "camembert")
-    if getattr(c, "position_embedding_type", "absolute") != "absolute":
-        raise ValueError(f"position_embedding_type={c.position_embedding_type!r} is not supported; only absolute")
     offset = c.pad_token_id + 1 if is_roberta else 0
     base = {k: v for k, v in source.state_dict().items()}
     prefix = source.base_model_prefix + "."
@@ -292,12 +320,9 @@ def vit(source, fields):
     for i in range(c.num_hidden_layers):
         s, t = f"layers.{i}", f"model.stack.layers.{i}"
         for proj in ("q", "k", "v", "o"):
-            linear(
-                weights,
-                f"{t}.self_attn.{proj}_proj",
-                state[f"{s}.attention.{proj}_proj.weight"],
-                state[f"{s}.attention.{proj}_proj.bias"],
-            )
+            weight = state[f"{s}.attention.{proj}_proj.weight"]
+            bias = state.get(f"{s}.attention.{proj}_proj.bias", weight.new_zeros(weight.shape[0]))  # qkv_bias=False
+            linear(weights, f"{t}.self_attn.{proj}_proj", weight, bias)
         layer_norm(weights, f"{t}.self_attn_layer_norm", state, f"{s}.layernorm_before")
         layer_norm(weights, f"{t}.final_layer_norm", state, f"{s}.layernorm_after")
         for fc in ("fc1", "fc2"):

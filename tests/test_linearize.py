@@ -104,11 +104,13 @@ def test_softmax_conversion_of_text_models_is_exact(case):
     assert_same_outputs(original, converted, inputs, inputs["attention_mask"])
 
 
-def test_softmax_conversion_of_vit_is_exact():
+@pytest.mark.parametrize("qkv_bias", [True, False])
+def test_softmax_conversion_of_vit_is_exact(qkv_bias):
     torch.manual_seed(0)
     config = ViTConfig(
-        **{k: v for k, v in TEXT.items() if k != "vocab_size"}, image_size=16, patch_size=4, num_labels=3
-    )
+        **{k: v for k, v in TEXT.items() if k != "vocab_size"}, image_size=16, patch_size=4, num_labels=3,
+        qkv_bias=qkv_bias,
+    )  # fmt: skip
     original = ViTForImageClassification(config)
     converted = lrpe_hf.linearize(original, **EXACT)
     assert isinstance(converted, lrpe_hf.LinearViTForImageClassification)
@@ -250,3 +252,23 @@ def test_attention_weights_are_the_ones_the_layer_applies(fields):
     out = layer.o_proj((weights @ values).transpose(1, 2).reshape(2, 11, 16))
     torch.testing.assert_close(out, reference_attention(layer, x, mask))
     assert weights[1, :, :3].abs().max() == 0 and weights[1, :, :, :3].abs().max() == 0
+
+
+@pytest.mark.parametrize(
+    "make,field,value",
+    [
+        (gpt2, "scale_attn_weights", False),
+        (gpt2, "scale_attn_by_inverse_layer_idx", True),
+        (gpt2, "reorder_and_upcast_attn", True),
+        (lambda: bert(BertForMaskedLM), "position_embedding_type", "relative_key"),
+        (lambda: bert(BertForMaskedLM), "is_decoder", True),
+        (lambda: roberta(RobertaForMaskedLM), "position_embedding_type", "relative_key_query"),
+    ],
+)
+def test_a_source_field_that_changes_the_attention_is_refused_by_name(make, field, value):
+    """GPT-2 without its 1/sqrt(d) scale converted to a model with it differed from the source by 1.8e-3: every
+    field that changes the attention's maths is honoured or refused, naming it."""
+    source = make()
+    setattr(source.config, field, value)
+    with pytest.raises(ValueError, match=f"{field}={value!r}"):
+        lrpe_hf.linearize(source, **EXACT)
