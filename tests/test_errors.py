@@ -110,3 +110,18 @@ def test_standalone_layer_redraws_performer_features_in_training():
     assert not torch.allclose(layer(x), layer(x))
     layer.eval()
     torch.testing.assert_close(layer(x), layer(x))
+
+
+@pytest.mark.parametrize("feature_map", ["t2r", "dpfp"])
+@pytest.mark.parametrize("encoding", ["rope", "lrpe_orthogonal"])
+def test_rotations_with_a_map_that_can_be_zero_never_divide_by_the_unrotated_denominator(encoding, feature_map):
+    """With features that can be exactly zero, <phi(q_s), sum_t phi(k_t)> vanishes while the rotated numerator does
+    not (one output of 85,082 against a typical 0.46): such a map takes the output LayerNorm by default, and the
+    unrotated denominator is refused, naming the map."""
+    options = lrpe_hf.AttentionOptions(positional_encoding=encoding, feature_map=feature_map)
+    assert options.normalization == "output_layer_norm"
+    with pytest.raises(ValueError, match=f"feature_map='{feature_map}': its features can be exactly zero"):
+        lrpe_hf.AttentionOptions(
+            positional_encoding=encoding, feature_map=feature_map, normalization="unrotated_denominator"
+        )
+    assert lrpe_hf.AttentionOptions(positional_encoding=encoding).normalization == "unrotated_denominator"  # elu

@@ -93,7 +93,8 @@ def test_custom_encoding_and_feature_map_train_and_round_trip_in_every_family(re
     model = model_class(make_config(positional_encoding="parity", feature_map="signed_relu"))
     layer = model.model.stack.layers[0].self_attn
     assert isinstance(layer.positional_encoding, ParitySigns) and isinstance(layer.feature_map, SignedReLU)
-    assert layer.options.normalization == "unrotated_denominator"  # the default for signed features
+    # signed features take the unrotated denominator by default, but [relu(x), relu(-x)] can be exactly zero
+    assert layer.options.normalization == "output_layer_norm"
     inputs = make_inputs()
     labels = torch.tensor([0, 2]) if family == "vit" else inputs["input_ids"]
     loss = model(**inputs, labels=labels).loss

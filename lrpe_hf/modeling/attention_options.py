@@ -85,10 +85,20 @@ class AttentionOptions:
                 raise ValueError("normalization applies to linear attention only; softmax normalises by itself")
         else:
             self.feature_map = self.feature_map or encoding.default_feature_map
-            lookup("feature_map", self.feature_map, FEATURE_MAP_REGISTRY)
-            self.normalization = self.normalization or encoding.default_normalization
+            positive = lookup("feature_map", self.feature_map, FEATURE_MAP_REGISTRY).is_positive(self)
+            default = encoding.default_normalization
+            if default == "unrotated_denominator" and not positive:
+                default = "output_layer_norm"  # the unrotated denominator could vanish (below)
+            self.normalization = self.normalization or default
             self._choice("normalization", self.normalization, NORMALIZATIONS)
             pe = self.positional_encoding
+            if self.normalization == "unrotated_denominator" and not positive:
+                raise ValueError(
+                    f"normalization='unrotated_denominator' is invalid with feature_map={self.feature_map!r}: its "
+                    "features can be exactly zero, so a query whose features share no support with its keys' gets "
+                    "a zero denominator under a non-zero rotated numerator (outputs of 1/eps); use "
+                    "'output_layer_norm' (its default here) or 'output_norm', or a strictly positive map"
+                )
             if self.normalization == "denominator" and encoding.signed_features:
                 raise ValueError(
                     f"normalization='denominator' is invalid with {pe!r}: its rotated features can be negative, so the "

@@ -78,9 +78,16 @@ class PositionalEncodingEntry:
 
 @dataclass(frozen=True)
 class FeatureMapEntry:
-    """A registered feature map: ``builder(options, input_dim) -> FeatureMap``."""
+    """A registered feature map: ``builder(options, input_dim) -> FeatureMap``; ``positive``: every feature is
+    strictly positive, so the unrotated denominator <phi(q_s), sum_t phi(k_t)> cannot vanish while the rotated
+    numerator does not (maps that can be exactly zero, as t2r's and dpfp's, are not); a bool, or a function of
+    the options (relu is positive only with relu_eps > 0)."""
 
     builder: Callable
+    positive: bool | Callable = False
+
+    def is_positive(self, options) -> bool:
+        return self.positive(options) if callable(self.positive) else self.positive
 
 
 POSITIONAL_ENCODING_REGISTRY: dict[str, PositionalEncodingEntry] = {}
@@ -163,10 +170,11 @@ def register_positional_encoding(
     )
 
 
-def register_feature_map(name: str, builder: Callable, *, overwrite: bool = False):
-    """Make ``feature_map=name`` available; ``builder(options, input_dim)`` returns a ``FeatureMap``."""
+def register_feature_map(name: str, builder: Callable, *, positive: bool | Callable = False, overwrite: bool = False):
+    """Make ``feature_map=name`` available; ``builder(options, input_dim)`` returns a ``FeatureMap``.
+    ``positive=True`` declares every feature strictly positive (see ``FeatureMapEntry``)."""
     _check_new_name("feature map", name, FEATURE_MAP_REGISTRY, overwrite)
-    FEATURE_MAP_REGISTRY[name] = FeatureMapEntry(builder)
+    FEATURE_MAP_REGISTRY[name] = FeatureMapEntry(builder, positive)
 
 
 def register_lrpe_p_matrix(name: str, builder: Callable, *, overwrite: bool = False):
@@ -203,18 +211,21 @@ def build_p_matrix(options, num_heads: int, dim: int):
 
 
 # ---------------------------------------------------------------- the built-in components
-register_feature_map("elu", lambda options, dim: EluFeatureMap(dim))
-register_feature_map("relu", lambda options, dim: ReluFeatureMap(dim, options.relu_eps))
-register_feature_map("exp", lambda options, dim: ExpFeatureMap(dim))
+register_feature_map("elu", lambda options, dim: EluFeatureMap(dim), positive=True)
+register_feature_map(
+    "relu", lambda options, dim: ReluFeatureMap(dim, options.relu_eps), positive=lambda options: options.relu_eps > 0
+)
+register_feature_map("exp", lambda options, dim: ExpFeatureMap(dim), positive=True)
 register_feature_map("dpfp", lambda options, dim: DPFPFeatureMap(dim, options.dpfp_nu))
 register_feature_map(
     "performer",
     lambda options, dim: PerformerFeatureMap(
         dim, options.performer_features, options.performer_redraw, options.performer_seed * 1000 + options.layer_index
     ),
+    positive=True,
 )
 
-register_feature_map("hedgehog", lambda options, dim: HedgehogFeatureMap(dim, options.num_heads))
+register_feature_map("hedgehog", lambda options, dim: HedgehogFeatureMap(dim, options.num_heads), positive=True)
 register_feature_map("t2r", lambda options, dim: T2RFeatureMap(dim, options.num_heads, options.t2r_features))
 
 register_lrpe_p_matrix("householder", HouseholderReflection)
