@@ -125,3 +125,32 @@ def test_rotations_with_a_map_that_can_be_zero_never_divide_by_the_unrotated_den
             positional_encoding=encoding, feature_map=feature_map, normalization="unrotated_denominator"
         )
     assert lrpe_hf.AttentionOptions(positional_encoding=encoding).normalization == "unrotated_denominator"  # elu
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+@pytest.mark.parametrize("encoding", lrpe_hf.POSITIONAL_ENCODINGS)
+def test_an_empty_batch_gives_an_empty_output(encoding, causal):
+    layer = LinearAttention(16, 2, positional_encoding=encoding, causal=causal, max_positions=64, spe_realizations=4)
+    assert layer(torch.randn(0, 7, 16)).shape == (0, 7, 16)
+    config = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32, vocab_size=40)
+    model_class = lrpe_hf.LinearGPTForCausalLM if causal else lrpe_hf.LinearRobertaForMaskedLM
+    config_class = lrpe_hf.LinearGPTConfig if causal else lrpe_hf.LinearRobertaConfig
+    model = model_class(config_class(positional_encoding=encoding, spe_realizations=4, **config))
+    assert model(torch.zeros(0, 7, dtype=torch.long)).logits.shape == (0, 7, 40)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+@pytest.mark.parametrize("encoding", lrpe_hf.POSITIONAL_ENCODINGS)
+def test_double_backward_works_or_says_it_is_not_supported(encoding, causal):
+    """The custom kernels give first-order gradients: differentiating twice (a gradient penalty, create_graph=True)
+    either works or stops with torch's once_differentiable message, not an error from inside a kernel."""
+    torch.manual_seed(0)
+    layer = LinearAttention(16, 2, positional_encoding=encoding, causal=causal, max_positions=64, spe_realizations=4)
+    x = torch.randn(1, 9, 16, requires_grad=True)
+    (grad,) = torch.autograd.grad(layer(x).pow(2).sum(), x, create_graph=True)
+    try:
+        grad.pow(2).sum().backward()
+    except RuntimeError as error:
+        assert "differentiate twice a function that was marked with @once_differentiable" in str(error)
+    else:
+        assert torch.isfinite(x.grad).all()

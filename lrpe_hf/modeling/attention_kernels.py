@@ -18,6 +18,7 @@ Shapes: B batch, H heads, N tokens, m feature dim, dv value dim.
 import math
 
 import torch
+from torch.autograd.function import once_differentiable
 from torch.nn import functional as F
 
 from .gradients import wants_gradient
@@ -341,6 +342,7 @@ class ChunkedCausalProduct(torch.autograd.Function):
         return block[..., :dv], (block[..., dv:] if block.shape[-1] > dv else None)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_out, grad_denominator, grad_final):
         q, k, v, initial, log_decay = ctx.saved_tensors
         C, with_denominator, dtype = ctx.chunk_size, ctx.with_denominator, ctx.dtype
@@ -451,6 +453,7 @@ class CausalKeySums(torch.autograd.Function):
         return sums
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad, grad_final):
         q, k, initial = ctx.saved_tensors
         C, dtype = ctx.chunk_size, ctx.dtype
@@ -691,6 +694,7 @@ class GatedIntraChunkProduct(torch.autograd.Function):
         return q @ k.transpose(-1, -2), decay
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_out):
         q, k, v, G, visible = ctx.saved_tensors
         grad_out = grad_out.contiguous()
@@ -745,6 +749,7 @@ class GatedChunkStates(torch.autograd.Function):
         return states_before_chunks(L, chunk_kv, initial)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_out, grad_final):
         q, k, v, a, b, L, initial = ctx.saved_tensors
         grads = [torch.empty_like(x) for x in (q, k, v, a, b, L, initial)]

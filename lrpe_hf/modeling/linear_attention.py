@@ -144,6 +144,9 @@ class LinearAttention(nn.Module):
         """The heads' outputs before the output projection, (B, H, N, d): ``forward`` without ``o_proj``.
         ``values`` (B, H, N, d') replace the projected values (``attention_weights``)."""
         B, N, _ = hidden_states.shape
+        if B == 0:  # an empty batch has nothing to attend to (and the chunked products nothing to split)
+            width = values.shape[-1] if values is not None else self.head_dim
+            return hidden_states.new_zeros(0, self.num_heads, N, width)
         mask = mask_as_bool(attention_mask, B, N)
         if state is not None and not self.options.causal:
             raise ValueError("A recurrent state is only meaningful for causal attention (causal=True)")

@@ -32,6 +32,7 @@ import math
 import zlib
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from .gradients import wants_gradient
 from .positional_encoding import PositionalEncoding, distinct_rows, token_blocks
@@ -354,6 +355,7 @@ class SineMixing(torch.autograd.Function):
         return SineMixing.mix(x, table, mixing)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad):
         x, mixing, table, rows = ctx.saved_tensors
         B, H, N, D = x.shape
@@ -491,6 +493,7 @@ class CodeMixing(torch.autograd.Function):
         return CodeMixing.product(x, codes)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad):
         x, codes = ctx.saved_tensors
         grad_x = grad_codes = None

@@ -9,6 +9,7 @@ default ``target_modules`` for q/v, and conversion scripts.
 """
 
 import torch
+from torch.autograd.function import once_differentiable
 from torch import nn
 from torch.nn import functional as F
 from transformers.activations import ACT2FN
@@ -28,6 +29,7 @@ class ActivationThenLinear(torch.autograd.Function):
         return F.linear(activation(h), weight, bias)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_out):
         h, weight = ctx.saved_tensors
         with torch.enable_grad():

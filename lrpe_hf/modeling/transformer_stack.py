@@ -50,7 +50,8 @@ class LinearTransformerStack(nn.Module):
         if self.shared_codes is not None:
             shared_draw = self.shared_codes.draw(hidden_states.device)
             positions = position_ids[..., None] if position_ids.dim() == 2 else position_ids
-            self.shared_codes.prepare(shared_draw, positions.expand(hidden_states.shape[0], -1, -1).long())
+            if hidden_states.shape[0]:  # an empty batch has no positions to prepare codes for
+                self.shared_codes.prepare(shared_draw, positions.expand(hidden_states.shape[0], -1, -1).long())
         # The shared tables go to every layer as positional tensors too, so that gradient checkpointing (reentrant
         # included) sees them as inputs of each layer.
         shared_tables = shared_draw.tables() if shared_draw is not None and hasattr(shared_draw, "tables") else []
