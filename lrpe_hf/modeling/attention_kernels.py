@@ -22,6 +22,7 @@ from torch.autograd.function import once_differentiable
 from torch.nn import functional as F
 
 from .gradients import wants_gradient
+from .triton_kernels import can_run, fla_causal_product
 
 
 def bidirectional_linear_attention(q, k, v, documents=None, with_denominator=False):
@@ -532,6 +533,7 @@ def causal_linear_attention(
     resets=None,
     with_denominator=False,
     divide_eps: float | None = None,
+    backend: str = "auto",
 ):
     """q, k (B, H, N, m); v (B, H, N, dv); log_gates (B, H, N) or None; initial_state (B, H, m, dv') or None;
     chunk_size None picks ``default_chunk_size(N)``; resets (B, N) bool or None; ``with_denominator``: also the
@@ -545,11 +547,26 @@ def causal_linear_attention(
     ``divide_eps`` (a number, with the denominator, where no gradient is wanted): out is returned divided by the
     denominator + divide_eps, in the memory order (B, N, H, dv) of ``divide_rows``; the ungated product divides
     each block as it makes it.
+
+    ``backend``: ``torch`` (the products below), ``triton`` (fla's kernels, ``triton_kernels.py``; raises where
+    they cannot run) or ``auto`` (fla's kernels where they can run, torch otherwise). The chunk size is the torch
+    path's.
     """
     if divide_eps is not None and (not with_denominator or wants_gradient(q, k, v, initial_state, log_gates)):
         raise ValueError("divide_eps needs with_denominator=True and inputs that want no gradient")
     B, H, N, m = q.shape
     C, dtype = chunk_length(N, chunk_size), product_dtype(q, v)
+    why_not = "the torch backend was chosen" if backend == "torch" else can_run(q, v, with_denominator)
+    if backend == "triton" and why_not:
+        raise ValueError(f"kernel_backend='triton' cannot run this product: {why_not}; 'auto' falls back to torch")
+    if why_not is None:
+        decay = uniform_decay(log_gates, initial_state, resets)
+        out, denominator, final = fla_causal_product(
+            q, k, v, None if decay is not None else log_gates, decay, initial_state, resets, with_denominator, dtype
+        )
+        if divide_eps is not None:
+            out = divide_rows(out, denominator, divide_eps)[0]
+        return out, denominator, final
     if resets is not None and log_gates is None:
         log_gates = q.new_zeros(B, H, N, dtype=torch.promote_types(q.dtype, torch.float32))
     device = q.device.type

@@ -18,6 +18,7 @@ from .registry import (
 
 ABSOLUTE_POSITION_EMBEDDINGS = ("none", "sinusoidal", "learned")
 ATTENTION_KINDS = ("linear", "softmax")
+KERNEL_BACKENDS = ("auto", "torch", "triton")
 
 
 def option(default, help: str, **metadata):
@@ -45,6 +46,11 @@ class AttentionOptions:
     layer_index: int = option(0, "the layer's place in its model: random tables differ per layer", per_family=True)
     num_heads: int | None = option(None, "the layer's number of heads (set by the layer)", per_family=True)
     chunk_size: int | None = option(None, "causal chunk length; default 64 up to 8k tokens, 128 beyond")
+    kernel_backend: str = option(
+        "auto",
+        "the causal product's kernels: auto (Triton kernels of fla-core for CUDA tensors where installed and able, "
+        "else torch), torch, or triton (raises where it cannot run)",
+    )
     eps: float = option(
         1e-6,
         "added to denominators (and to the output norm's mean square), on the unstabilised scale",
@@ -125,6 +131,7 @@ class AttentionOptions:
                 raise ValueError(f"permute_decay must be in (0, 1], got {self.permute_decay}")
             if self.permute_decay < 1.0 and not self.causal:
                 raise ValueError("permute_decay < 1 is for causal models (PermuteFormer uses r = 1 bidirectionally)")
+        self._choice("kernel_backend", self.kernel_backend, KERNEL_BACKENDS)
         if self.chunk_size is not None and self.chunk_size < 1:
             raise ValueError(f"chunk_size must be a positive integer (or None for automatic), got {self.chunk_size}")
         for name in ("spe_realizations", "spe_sines", "spe_kernel_size"):  # dpfp_nu and performer_features: their maps

@@ -84,7 +84,7 @@ class KernelAttention(nn.Module):
 
     def __init__(self, options, head_dim: int, query_key_dim: int):
         super().__init__()
-        self.causal, self.chunk_size = options.causal, options.chunk_size
+        self.causal, self.chunk_size, self.kernel_backend = options.causal, options.chunk_size, options.kernel_backend
         self.normalization, self.eps = options.normalization, options.eps
         self.feature_map = build_feature_map(options, query_key_dim)
         self.feature_dim = self.feature_map.output_dim
@@ -130,8 +130,9 @@ class KernelAttention(nn.Module):
         divided = divided and not wants_gradient(tq, tk, v, gates)
         if self.causal:
             previous = state.kv if state else None
+            divide_eps = self.eps if divided else None
             out, denominator, kv = causal_linear_attention(
-                tq, tk, v, gates, previous, self.chunk_size, starts, with_denominator, self.eps if divided else None
+                tq, tk, v, gates, previous, self.chunk_size, starts, with_denominator, divide_eps, self.kernel_backend
             )
         else:
             out, denominator = bidirectional_linear_attention(tq, tk, v, local_documents, with_denominator)
@@ -201,7 +202,9 @@ class KernelAttention(nn.Module):
             denominator, key_sum = causal_key_sums(fq, fk, previous, self.chunk_size)
         else:
             ones = torch.ones_like(fk[..., :1])
-            denominator, _, key_sum = causal_linear_attention(fq, fk, ones, gates, previous, self.chunk_size, starts)
+            denominator, _, key_sum = causal_linear_attention(
+                fq, fk, ones, gates, previous, self.chunk_size, starts, backend=self.kernel_backend
+            )
         if state is not None:
             state.key_sum = key_sum
         return denominator
