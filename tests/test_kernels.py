@@ -3,15 +3,11 @@
 import pytest
 import torch
 
-from lrpe_hf.modeling import attention_kernels, feature_maps
-from lrpe_hf.modeling.attention_kernels import (
-    bidirectional_linear_attention,
-    causal_key_sums,
-    causal_linear_attention,
-    chunk_prefix_sums,
-)
+from lrpe_hf.modeling import attention_kernels, feature_maps, products_shared
+from lrpe_hf.modeling.attention_kernels import bidirectional_linear_attention, causal_linear_attention
 from lrpe_hf.modeling.feature_maps import EluFeatureMap, ReluFeatureMap
 from lrpe_hf.modeling.kernel_attention import DivideByDenominator, nonzero
+from lrpe_hf.modeling.products_chunked import causal_key_sums, chunk_prefix_sums
 from lrpe_hf.modeling.transformer_layer import MLP
 
 
@@ -56,7 +52,7 @@ def test_causal_product_in_blocks_equals_the_quadratic_formula(
     """Long inputs go through the chunked products a block at a time (2 rows x 3 heads of 8 chunks of 4 x 4
     scores: blocks of one head and one row, or of 2 heads then 1; gated, 6 flattened heads in blocks of 1, or of 4
     then 2), documents' visibility following each head's batch row."""
-    monkeypatch.setattr(attention_kernels, "BLOCK_ELEMENTS", block_elements)
+    monkeypatch.setattr(products_shared, "BLOCK_ELEMENTS", block_elements)
     check_causal_against_quadratic(29, 4, gated, with_initial, with_resets)
 
 
@@ -70,7 +66,7 @@ def test_causal_product_with_its_denominator_from_the_projections_layout(
     computed alongside: the quadratic formula on [v, 1] (its last column is the denominator, the final state's
     last column the key sum), and the gradients of q, k, v and of the initial state, the denominator and the
     final state's key sum receiving gradients of their own."""
-    monkeypatch.setattr(attention_kernels, "BLOCK_ELEMENTS", block_elements)
+    monkeypatch.setattr(products_shared, "BLOCK_ELEMENTS", block_elements)
     check_causal_against_quadratic(num_tokens, 4, gated, True, False, tokens_first=True, with_denominator=True)
 
 
@@ -85,7 +81,7 @@ def test_causal_product_with_one_decay_per_head_equals_the_quadratic_formula(
     product applies it itself (the general gated product must not run), in blocks of one head and row or of
     several, the last chunk filled by zero tokens in front; except where 29 tokens in chunks of 4 follow an
     initial state, which take the gated product."""
-    monkeypatch.setattr(attention_kernels, "BLOCK_ELEMENTS", block_elements)
+    monkeypatch.setattr(products_shared, "BLOCK_ELEMENTS", block_elements)
     if num_tokens % chunk_size == 0 or not with_initial:
         monkeypatch.setattr(attention_kernels, "gated_chunks", None)  # calling it fails the test
     check_causal_against_quadratic(
@@ -100,7 +96,7 @@ def test_causal_product_divided_as_it_goes_equals_the_quadratic_ratio(num_tokens
     on [v, 1], stored tokens-first (B, N, H, dv) as the output projection reads it: from the ungated product,
     which divides each block (in blocks of one head and row, or all at once), with one decay per head, with
     gates (the general product) and for one token."""
-    monkeypatch.setattr(attention_kernels, "BLOCK_ELEMENTS", block_elements)
+    monkeypatch.setattr(products_shared, "BLOCK_ELEMENTS", block_elements)
     torch.manual_seed(0)
     B, H, N, m, dv, eps = 2, 3, num_tokens, 5, 6, 0.75  # an eps that moves the ratio, so its place is tested
     q, k = (torch.rand(B, N, H, m, dtype=torch.float64).transpose(1, 2) for _ in range(2))
@@ -185,7 +181,7 @@ def test_causal_key_sums_equal_the_explicit_denominator(
     """q_s . (z_0 + sum_{t<=s} k_t) and z_0 + sum_t k_t, from tokens-first inputs, against the explicit masked
     N x N sum: values and the gradients of q, k and z_0, the final sum receiving a gradient of its own; in one
     block, and in blocks of one head and one row."""
-    monkeypatch.setattr(attention_kernels, "BLOCK_ELEMENTS", block_elements)
+    monkeypatch.setattr(products_shared, "BLOCK_ELEMENTS", block_elements)
     torch.manual_seed(0)
     B, H, N, m = 2, 3, num_tokens, 5
     leaves = [torch.rand(B, N, H, m, dtype=torch.float64, requires_grad=True) for _ in range(2)]
@@ -331,7 +327,7 @@ def test_division_by_the_denominator_has_the_plain_values_and_gradients(eps_kind
 @pytest.mark.parametrize("length", [1, 2, 15, 16, 17, 33, 64, 100])
 @pytest.mark.parametrize("trailing", [(4, 5), (16, 20)])  # one cumsum up to 256 trailing elements, blocks above
 def test_running_sum_in_blocks_equals_cumsum(length, trailing):
-    from lrpe_hf.modeling.attention_kernels import running_sum_
+    from lrpe_hf.modeling.products_chunked import running_sum_
 
     x = torch.randn(3, length, *trailing, dtype=torch.float64)
     torch.testing.assert_close(running_sum_(x.clone()), x.cumsum(1))
@@ -342,7 +338,7 @@ def test_running_sum_in_blocks_equals_cumsum(length, trailing):
 def test_decayed_running_sum_in_blocks_equals_the_step_by_step_recurrence(length, reverse):
     """s_i = x_i + f s_{i-1} (or s_{i+1} with ``reverse``) per group, f in [0, 1] (0: nothing carries; 1: a plain
     running sum), across the blocks of 16 steps and a ragged last block."""
-    from lrpe_hf.modeling.attention_kernels import decayed_running_sum_
+    from lrpe_hf.modeling.products_chunked import decayed_running_sum_
 
     x = torch.randn(4, length, 3, 5, dtype=torch.float64)
     factor = torch.tensor([0.0, 0.3, 0.97, 1.0], dtype=torch.float64)

@@ -1,6 +1,6 @@
 """The Triton path's argument mapping, checked on the CPU through fla's own torch references.
 
-``triton_kernels.fla_causal_product`` hands our products to fla's ``chunk_simple_gla`` and
+``products_triton.fla_causal_product`` hands our products to fla's ``chunk_simple_gla`` and
 ``fused_recurrent_simple_gla``, which need a GPU. fla-core ships torch references of both (``naive.py``, beside
 the kernels); fed to the adapter in their place, they check every mapping (layout, scale, gates, constant decays,
 the denominator column, initial and final states, packed documents as ``cu_seqlens``) against our torch path and
@@ -17,7 +17,7 @@ from conftest import make_layer
 from reference import reference_attention
 
 from lrpe_hf import LinearAttentionState
-from lrpe_hf.modeling import triton_kernels
+from lrpe_hf.modeling import products_triton
 from lrpe_hf.modeling.attention_kernels import causal_linear_attention
 
 
@@ -93,7 +93,7 @@ def test_the_adapter_computes_the_torch_product(kernels, tokens, gating, with_de
     log_decay = log_gates[0, :, -1] if gating == "decay" else None
     initial = torch.randn(2, 3, 8, 5 + with_denominator, generator=torch.Generator().manual_seed(2)).abs()
     torch_path = causal_linear_attention(q, k, v, log_gates, initial, 8, None, with_denominator, backend="torch")
-    adapted = triton_kernels.fla_causal_product(
+    adapted = products_triton.fla_causal_product(
         q, k, v, None if log_decay is not None else log_gates, log_decay, initial, None, with_denominator,
         torch.float32, kernels,
     )  # fmt: skip
@@ -114,7 +114,9 @@ def test_packed_documents_become_sequences_and_keep_each_rows_states(kernels):
     log_gates = -torch.rand(2, 3, 20, generator=torch.Generator().manual_seed(3))
     initial = torch.rand(2, 3, 8, 6, generator=torch.Generator().manual_seed(4))
     torch_path = causal_linear_attention(q, k, v, log_gates, initial, 8, resets, True, backend="torch")
-    adapted = triton_kernels.fla_causal_product(q, k, v, log_gates, None, initial, resets, True, torch.float32, kernels)
+    adapted = products_triton.fla_causal_product(
+        q, k, v, log_gates, None, initial, resets, True, torch.float32, kernels
+    )
     for got, want in zip(adapted, torch_path):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
@@ -131,7 +133,7 @@ def test_the_adapter_has_the_torch_products_gradients(kernels):
 
     want = gradients(lambda: causal_linear_attention(q, k, v, log_gates, initial, 8, None, True, backend="torch"))
     got = gradients(
-        lambda: triton_kernels.fla_causal_product(
+        lambda: products_triton.fla_causal_product(
             q, k, v, log_gates, None, initial, None, True, torch.float32, kernels
         )
     )  # the references compute in float32
@@ -153,7 +155,7 @@ def triton_path_on_the_cpu(kernels, monkeypatch):
         return call
 
     monkeypatch.setattr("lrpe_hf.modeling.attention_kernels.can_run", lambda q, v, with_denominator: None)
-    monkeypatch.setattr(triton_kernels, "fla_kernels", lambda: tuple(counted(kernel) for kernel in kernels))
+    monkeypatch.setattr(products_triton, "fla_kernels", lambda: tuple(counted(kernel) for kernel in kernels))
     yield calls
 
 
@@ -185,5 +187,5 @@ def test_layers_on_the_triton_path_match_the_torch_path_and_the_formula(triton_p
 
 def test_a_forced_triton_backend_says_why_it_cannot_run():
     layer = make_layer("none", causal=True, kernel_backend="triton")
-    with pytest.raises(ValueError, match="kernel_backend='triton' cannot run this product: its inputs are not on a CUDA"):
+    with pytest.raises(ValueError, match="'triton' cannot run this product: its inputs are not on a CUDA device"):
         layer(torch.randn(1, 5, 16, dtype=torch.float64))

@@ -16,7 +16,8 @@ from transformers.modeling_outputs import BaseModelOutputWithPast
 CACHE_ARGUMENTS = ("cache", "past_key_values", "cache_params")
 
 # The output field that carries the cache in the installed release ("cache" from 5.24 on).
-CACHE_OUTPUT_FIELD = "cache" if "cache" in {field.name for field in fields(BaseModelOutputWithPast)} else "past_key_values"
+OUTPUT_FIELDS = {field.name for field in fields(BaseModelOutputWithPast)}
+CACHE_OUTPUT_FIELD = "cache" if "cache" in OUTPUT_FIELDS else "past_key_values"
 
 # What a causal-LM loss takes from the Trainer: the token count over a whole accumulated batch, and labels
 # already shifted (context parallelism) with their ignore index.

@@ -23,14 +23,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .attention_kernels import (
-    bidirectional_linear_attention,
-    causal_key_sums,
-    causal_linear_attention,
-    divide_rows,
-)
+from .attention_kernels import bidirectional_linear_attention, causal_linear_attention
 from .attention_state import TensorState
 from .gradients import wants_gradient
+from .products_chunked import causal_key_sums
+from .products_shared import divide_rows
 from .registry import build_feature_map
 
 
@@ -180,7 +177,8 @@ class KernelAttention(nn.Module):
         centred = unit - unit.mean(-1, keepdim=True)
         eps = self.eps * torch.exp(-2 * (reference[:, 0] + log_peak))  # (B, N, 1)
         variance = centred.pow(2).mean(-1, keepdim=True) + eps  # in eps's float32: eps may overflow half precision
-        normed = (centred / nonzero(variance.sqrt())).to(out.dtype) * norm.weight.to(out.dtype) + norm.bias.to(out.dtype)
+        normed = (centred / nonzero(variance.sqrt())).to(out.dtype)
+        normed = normed * norm.weight.to(out.dtype) + norm.bias.to(out.dtype)
         return normed.view(B, N, H, d).transpose(1, 2)
 
     @staticmethod

@@ -18,10 +18,10 @@ from transformers.modeling_outputs import (
 from transformers.utils import can_return_tuple
 
 from .configuration_linear_roberta import LinearRobertaConfig
+from .forward_arguments import LOSS_ARGUMENTS, check_extra_arguments
 from .positional_absolute import build_absolute_position_embedding
 from .positions import default_position_ids, mask_as_bool
 from .transformer_layer import Dropout
-from .forward_arguments import LOSS_ARGUMENTS, check_extra_arguments
 from .transformer_stack import LinearPreTrainedModel, LinearTransformerStack, check_single_segment
 
 

@@ -9,8 +9,8 @@ default ``target_modules`` for q/v, and conversion scripts.
 """
 
 import torch
-from torch.autograd.function import once_differentiable
 from torch import nn
+from torch.autograd.function import once_differentiable
 from torch.nn import functional as F
 from transformers.activations import ACT2FN
 from transformers.modeling_layers import GradientCheckpointingLayer
