@@ -2,8 +2,9 @@
 
 Two parts, measured side by side in one run (the machine may be shared and noisy, so compare ratios):
 
-1. Kernels: causal attention alone from q, k, v (B=1, 8 heads x 64, fp32, forward): SDPA against the chunked
-   linear-attention kernel (elu features).
+1. Kernels: causal attention alone from q, k, v (B=1, 8 heads x 64, forward): SDPA against the chunked
+   linear-attention product (elu features) as the layers run it (``kernel_backend`` auto: fla-core's Triton kernel
+   for CUDA tensors where installed) and, on CUDA with fla-core, fla's ``chunk_simple_gla`` called directly.
 2. Layers: ``LinearAttention`` (hidden 512, 8 heads) per encoding, causal and bidirectional: forward time,
    forward+backward time and peak memory of forward+backward, next to the same layer with softmax attention,
    and next to the layer's floor: its four projections alone (forward, and forward+backward), in the same child.
@@ -15,6 +16,7 @@ Writes ``results.csv``, ``results.md`` and ``results.png`` to ``--out`` and prin
     python benchmarks/benchmark_attention.py                   # 512 ... 32k tokens, every encoding
     python benchmarks/benchmark_attention.py --lengths 512 2048 --encodings none rope --device cuda
     python benchmarks/benchmark_attention.py --lengths 16384 --encodings none --compile   # and under torch.compile
+    python benchmarks/benchmark_attention.py --device cuda --dtype bf16                    # bf16 autocast on a GPU
 """
 
 import argparse
@@ -26,19 +28,28 @@ from measure import allocator_note, in_child, peak_memory_mb, resident_mb, timed
 from torch.nn import functional as F
 
 import lrpe_hf
+from lrpe_hf.modeling import products_triton
 from lrpe_hf.modeling.attention_kernels import causal_linear_attention
 
 HIDDEN, HEADS = 512, 8
 FLOOR_KEYS = ("forward_ms", "train_ms", "floor_forward_ms", "floor_train_ms")
 
 
-def kernel_row(kind, tokens, device, reps):
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def kernel_row(kind, tokens, device, reps, dtype=torch.float32):
     def run():
         torch.manual_seed(0)
-        q, k, v = (torch.randn(1, HEADS, tokens, 64, device=device) for _ in range(3))
+        q, k, v = (torch.randn(1, HEADS, tokens, 64, device=device, dtype=dtype) for _ in range(3))
         with torch.no_grad():
             if kind == "sdpa":
                 ms = timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), device, reps)
+            elif kind == "fla":  # fla's kernel alone, in its own layout, the features made beforehand
+                from fla.ops.simple_gla import chunk_simple_gla
+
+                fq, fk, fv = ((F.elu(x) + 1).transpose(1, 2).contiguous() for x in (q, k, v))
+                ms = timed(lambda: chunk_simple_gla(fq, fk, fv, scale=1.0), device, reps)
             else:
                 fq, fk = F.elu(q) + 1, F.elu(k) + 1
                 ms = timed(lambda: causal_linear_attention(fq, fk, v, with_denominator=True), device, reps)
@@ -47,7 +58,7 @@ def kernel_row(kind, tokens, device, reps):
     return in_child(run, device)
 
 
-def layer_row(encoding, attention, causal, tokens, device, reps, compile_layer=False):
+def layer_row(encoding, attention, causal, tokens, device, reps, compile_layer=False, dtype=torch.float32):
     def run():
         torch.manual_seed(0)
         if device == "cuda":
@@ -58,18 +69,24 @@ def layer_row(encoding, attention, causal, tokens, device, reps, compile_layer=F
         run_layer = torch.compile(layer) if compile_layer else layer
         x = torch.randn(1, tokens, HIDDEN, device=device, requires_grad=True)
 
+        autocast = torch.autocast(device, dtype=dtype, enabled=dtype != torch.float32)
+
         def train_step():
-            run_layer(x).sum().backward()
+            with autocast:
+                out = run_layer(x)
+            out.float().sum().backward()
 
         def projections():  # the floor: the layer's four projections alone, on inputs of the same shape
             return [proj(x) for proj in (layer.q_proj, layer.k_proj, layer.v_proj, layer.o_proj)]
 
         def projections_step():
-            sum(out.sum() for out in projections()).backward()
+            with autocast:
+                outs = projections()
+            sum(out.float().sum() for out in outs).backward()
 
         train_step()
         memory = peak_memory_mb(device, baseline)
-        with torch.no_grad():
+        with torch.no_grad(), autocast:
             forward, floor_forward = timed_alternately([lambda: run_layer(x), projections], device, reps)
         train, floor_train = timed_alternately([train_step, projections_step], device, reps)
         return {
@@ -93,19 +110,22 @@ def main():
     parser.add_argument("--spe-conv-max", type=int, default=8192, help="longest input for spe_conv (H*N*D*R codes)")
     parser.add_argument("--modes", nargs="+", default=["causal", "bidirectional"], choices=["causal", "bidirectional"])
     parser.add_argument("--compile", action="store_true", help="also time each linear layer under torch.compile")
+    parser.add_argument("--dtype", choices=DTYPES, default="fp32", help="bf16: autocast (layers) and bf16 kernels")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    print(f"device: {args.device}, torch {torch.__version__}, threads {torch.get_num_threads()}")
+    dtype = DTYPES[args.dtype]
+    print(f"device: {args.device}, dtype {args.dtype}, torch {torch.__version__}, threads {torch.get_num_threads()}")
     if args.device == "cpu":
         print(allocator_note())
 
     rows = []
     for tokens in args.lengths:
-        for kind in ("sdpa", "linear"):
+        kinds = ["sdpa", "linear"] + (["fla"] if args.device == "cuda" and products_triton.fla_installed() else [])
+        for kind in kinds:
             if kind == "sdpa" and tokens > args.softmax_max:
                 continue
-            result = kernel_row(kind, tokens, args.device, args.reps)
+            result = kernel_row(kind, tokens, args.device, args.reps, dtype)
             rows.append({"part": "kernel", "name": kind, "mode": "causal", "tokens": tokens, **result})
             print(rows[-1], flush=True)
     variants = [(e, "linear") for e in args.encodings] + [("none", "softmax"), ("rope", "softmax")]
@@ -120,7 +140,14 @@ def main():
                     continue
                 compiled = attention == "compiled"
                 result = layer_row(
-                    encoding, "linear" if compiled else attention, causal, tokens, args.device, args.reps, compiled
+                    encoding,
+                    "linear" if compiled else attention,
+                    causal,
+                    tokens,
+                    args.device,
+                    args.reps,
+                    compiled,
+                    dtype,
                 )
                 name = {"linear": encoding, "softmax": f"softmax+{encoding}", "compiled": f"compiled {encoding}"}[
                     attention

@@ -28,14 +28,23 @@ HIDDEN, HEADS = 512, 8
 TARGETS = {"spe_sine": 1.5, "spe_conv": 1.5}  # over none; every other encoding: 1.15
 
 
-def encoding_rows(encodings, tokens, causal, device, rounds):
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def encoding_rows(encodings, tokens, causal, device, rounds, dtype=torch.float32):
     torch.manual_seed(0)
     x = torch.randn(1, tokens, HIDDEN, device=device, requires_grad=True)
+
+    def train_step(layer):
+        with torch.autocast(device, dtype=dtype, enabled=dtype != torch.float32):
+            out = layer(x)
+        out.float().sum().backward()
+
     steps = []
     for encoding in encodings:
         options = dict(positional_encoding=encoding, causal=causal, max_positions=tokens)
         layer = lrpe_hf.LinearAttention(HIDDEN, HEADS, **options).to(device)
-        steps.append(lambda layer=layer: layer(x).sum().backward())
+        steps.append(lambda layer=layer: train_step(layer))
     samples = sample_alternately(steps, device, rounds)
     fastest_none, median_none = min(samples[0]), statistics.median(samples[0])
     rows = []
@@ -64,17 +73,19 @@ def main():
     parser.add_argument("--mode", choices=["causal", "bidirectional"], default="causal")
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", choices=DTYPES, default="fp32", help="bf16: under autocast")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     encodings = ["none"] + [e for e in args.encodings if e != "none"]
-    print(f"device: {args.device}, torch {torch.__version__}, threads {torch.get_num_threads()}")
+    print(f"device: {args.device}, dtype {args.dtype}, torch {torch.__version__}, threads {torch.get_num_threads()}")
     if args.device == "cpu":
         print(allocator_note())
 
-    rows = encoding_rows(encodings, args.tokens, args.mode == "causal", args.device, args.rounds)
+    rows = encoding_rows(encodings, args.tokens, args.mode == "causal", args.device, args.rounds, DTYPES[args.dtype])
     lines = [
-        f"{args.mode} layer forward+backward at {args.tokens} tokens, {args.rounds} rounds, layers taking turns:",
+        f"{args.mode} layer forward+backward at {args.tokens} tokens ({args.dtype}), {args.rounds} rounds, layers "
+        "taking turns:",
         "",
         "| encoding | fastest ms | median ms | fastest over none | median over none | target | met |",
         "|---|---|---|---|---|---|---|",

@@ -1,6 +1,7 @@
 """LinearGPT against Transformers' GPT-2 (SDPA) at the same size: training step and generation latency.
 
-Both models: 6 layers x 512, 8 heads, FFN 2048, vocabulary 8192, batch 1, fp32. Measured side by side in
+Both models: 6 layers x 512, 8 heads, FFN 2048, vocabulary 8192, batch 1, fp32 (or bf16 autocast with
+``--dtype bf16``). Measured side by side in
 one run, each configuration on a CPU in a forked child (peak memory of its own; on CUDA in this process, from a
 reset allocator peak):
 
@@ -13,6 +14,7 @@ Writes ``models.csv``, ``models.md`` and ``models.png`` to ``--out`` and prints 
 
     python benchmarks/benchmark_models.py
     python benchmarks/benchmark_models.py --lengths 512 4096 --contexts 256 4096 --encodings none permute
+    python benchmarks/benchmark_models.py --device cuda --dtype bf16 --encodings none none+graphs   # CUDA graphs
 """
 
 import argparse
@@ -24,8 +26,14 @@ from measure import allocator_note, high_water_mark_mb, in_child, peak_memory_mb
 from transformers import AutoModelForCausalLM, GPT2Config
 
 from lrpe_hf import LinearAttentionCache, LinearGPTConfig, LinearGPTForCausalLM
+from lrpe_hf.modeling.forward_arguments import CACHE_OUTPUT_FIELD  # the installed release's name for the cache
 
 SIZE = dict(layers=6, hidden=512, heads=8, ffn=2048, vocab=8192)
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def autocast(device, dtype):
+    return torch.autocast(device, dtype=dtype, enabled=dtype != torch.float32)
 
 
 def build(name, max_tokens, device):
@@ -61,7 +69,7 @@ def build(name, max_tokens, device):
     return model.to(device)
 
 
-def train_row(name, tokens, device, reps):
+def train_row(name, tokens, device, reps, dtype=torch.float32):
     def run():
         baseline = resident_mb()
         if device == "cuda":
@@ -71,7 +79,9 @@ def train_row(name, tokens, device, reps):
 
         def step():
             model.zero_grad(set_to_none=True)
-            model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+            with autocast(device, dtype):
+                loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+            loss.backward()
 
         step()
         memory, high_water_mark = peak_memory_mb(device, baseline), high_water_mark_mb()
@@ -82,24 +92,30 @@ def train_row(name, tokens, device, reps):
     return in_child(run, device)
 
 
-def generation_row(name, context, device, reps, batch=1, new_tokens=16):
+def generation_row(name, context, device, reps, batch=1, new_tokens=16, dtype=torch.float32):
     """Milliseconds per token of rounds of ``new_tokens`` one-token steps: a warm-up round, then the median of
     ``reps`` timed rounds (the context grows by ``new_tokens`` each round). With a ``+compile`` suffix the steps
-    (not the prefill) run through ``torch.compile``, compiled during the warm-up round."""
+    (not the prefill) run through ``torch.compile``, compiled during the warm-up round; with ``+graphs``, through
+    ``torch.compile(mode="reduce-overhead")``, which on a GPU replays each step as a CUDA graph."""
 
     def run():
         model = build(name, context + (reps + 1) * new_tokens + 1, device).eval()
-        step = torch.compile(model) if name.endswith("+compile") else model
+        step = model
+        if name.endswith("+compile"):
+            step = torch.compile(model)
+        elif name.endswith("+graphs"):
+            step = torch.compile(model, mode="reduce-overhead")
         ids = torch.randint(0, SIZE["vocab"], (batch, context), device=device)
-        with torch.no_grad():
+        with torch.no_grad(), autocast(device, dtype):
             cache = LinearAttentionCache(SIZE["layers"]) if not name.startswith("gpt2") else None
-            out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)  # prefill
-            cache = out.past_key_values
+            out = model(input_ids=ids, use_cache=True, logits_to_keep=1, **{CACHE_OUTPUT_FIELD: cache})  # prefill
+            cache = out[CACHE_OUTPUT_FIELD]
             token = out.logits[:, -1:].argmax(-1)
 
             def one_token():
                 nonlocal token
-                token = step(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+                out = step(input_ids=token, use_cache=True, **{CACHE_OUTPUT_FIELD: cache})
+                token = out.logits[:, -1:].argmax(-1)
 
             total = timed(lambda: [one_token() for _ in range(new_tokens)], device, reps)
         return {"ms_per_token": total / new_tokens, "tokens_per_s": 1000 * batch * new_tokens / total}
@@ -116,7 +132,7 @@ def main():
         "--encodings",
         nargs="+",
         help="LinearGPT encodings; a +ckpt suffix adds gradient checkpointing (train steps only), a +compile suffix "
-        "decodes under torch.compile (decoding only)",
+        "decodes under torch.compile, a +graphs suffix under torch.compile(mode='reduce-overhead') (decoding only)",
         default=[
             "none",
             "none+ckpt",
@@ -138,20 +154,27 @@ def main():
         help="longest GPT-2 input (8192 needs more than 24 GB for its attention weights)",
     )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", choices=DTYPES, default="fp32", help="bf16: under autocast")
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
+    dtype = DTYPES[args.dtype]
     args.out.mkdir(parents=True, exist_ok=True)
     names = ["gpt2-sdpa"] + args.encodings
     if args.device == "cpu":
         print(allocator_note(), flush=True)
     rows = []
     for tokens in args.lengths:
-        for name in [n for n in names if not n.endswith("+compile")]:
+        for name in [n for n in names if not n.endswith(("+compile", "+graphs"))]:
             if name == "gpt2-sdpa" and tokens > args.gpt2_max:
                 continue
             rows.append(
-                {"task": "train", "model": name, "tokens": tokens, **train_row(name, tokens, args.device, args.reps)}
+                {
+                    "task": "train",
+                    "model": name,
+                    "tokens": tokens,
+                    **train_row(name, tokens, args.device, args.reps, dtype),
+                }
             )
             print(rows[-1], flush=True)
     for context in args.contexts:
@@ -163,7 +186,7 @@ def main():
                     "task": "generate",
                     "model": name,
                     "tokens": context,
-                    **generation_row(name, context, args.device, args.reps),
+                    **generation_row(name, context, args.device, args.reps, dtype=dtype),
                 }
             )
             print(rows[-1], flush=True)
@@ -171,7 +194,7 @@ def main():
         for name in [n for n in names if not n.endswith("+ckpt")]:
             if name == "gpt2-sdpa" and context > args.gpt2_max:
                 continue
-            result = generation_row(name, context, args.device, args.reps, batch=8)
+            result = generation_row(name, context, args.device, args.reps, batch=8, dtype=dtype)
             rows.append({"task": "generate-batch8", "model": name, "tokens": context, **result})
             print(rows[-1], flush=True)
     fields = ["task", "model", "tokens", "seconds", "tokens_per_s", "peak_mb", "vm_hwm_mb", "ms_per_token", "error"]

@@ -189,3 +189,52 @@ def test_a_forced_triton_backend_says_why_it_cannot_run():
     layer = make_layer("none", causal=True, kernel_backend="triton")
     with pytest.raises(ValueError, match="'triton' cannot run this product: its inputs are not on a CUDA device"):
         layer(torch.randn(1, 5, 16, dtype=torch.float64))
+
+
+# fla's kernels compute their dot products in TF32 (fp32 inputs) or bf16, and keep states in fp32: tolerances
+# relative to the outputs' scale, from those precisions
+GPU_TOLERANCE = {torch.float32: 2e-3, torch.bfloat16: 3e-2}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or not products_triton.fla_installed(), reason="needs a CUDA device and fla-core"
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    "encoding,feature_map", [("none", "elu"), ("permute", "relu"), ("rope", "exp"), ("lrpe_orthogonal", "elu")]
+)
+def test_the_triton_path_on_a_gpu_matches_the_torch_path(encoding, feature_map, dtype):
+    """fla's real kernels against the torch path on the same GPU: forward and gradients, with padding and packed
+    documents, then prefill and decoding."""
+    torch.manual_seed(0)
+    layers = {
+        backend: make_layer(encoding, hidden_size=128, num_heads=2, feature_map=feature_map, causal=True,
+                            kernel_backend=backend).float().cuda()
+        for backend in ("triton", "torch")
+    }  # fmt: skip
+    x = torch.randn(2, 300, 128, device="cuda")
+    mask = torch.ones(2, 300, dtype=torch.bool, device="cuda")
+    mask[1, :20] = False
+    positions = torch.cat([torch.arange(150), torch.arange(150)]).expand(2, -1)[..., None].cuda()
+    outputs, gradients = {}, {}
+    for backend, layer in layers.items():
+        inputs = x.clone().requires_grad_()
+        with torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32):
+            out = layer(inputs, attention_mask=mask, position_ids=positions)
+        out.float().square().mean().backward()
+        outputs[backend], gradients[backend] = out.float(), inputs.grad
+    tolerance = GPU_TOLERANCE[dtype]
+    for got, want in ((outputs["triton"], outputs["torch"]), (gradients["triton"], gradients["torch"])):
+        torch.testing.assert_close(got, want, atol=tolerance * want.abs().mean(), rtol=tolerance)
+    with torch.no_grad(), torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32):
+        state = LinearAttentionState()
+        layer = layers["triton"]
+        pieces = [layer(x[:, :290], attention_mask=mask[:, :290], position_ids=positions[:, :290], state=state)]
+        for t in range(290, 300):
+            pieces.append(
+                layer(x[:, t : t + 1], attention_mask=mask[:, t : t + 1], position_ids=positions[:, t : t + 1],
+                      state=state)
+            )  # fmt: skip
+    want = outputs["torch"]
+    torch.testing.assert_close(torch.cat(pieces, 1).float(), want, atol=tolerance * want.abs().mean(), rtol=tolerance)
