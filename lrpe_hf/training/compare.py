@@ -85,6 +85,7 @@ from . import compare_report
 from .arguments import ModelArguments, build_config
 from .compare_tasks import ABSOLUTE_BASELINES, RUNNERS, as_strings, execute_run, load_result, model_arguments
 from .tokenizer import TokenizerArguments, train_tokenizer
+from .verdicts import Claim
 
 TASKS = tuple(RUNNERS)
 PROFILES = ("quick", "medium", "full")
@@ -168,12 +169,44 @@ SYNTHETIC_ENCODINGS = [
     "none", "learned", "rope", "permute", "spe_sine", "lrpe_orthogonal", "fastrpb", "softmax:rope",
 ]  # fmt: skip
 
-# Each preset: the task, what it mirrors, its encodings, and per-profile settings over the task's profile.
+# The papers' claims each preset tests (``verdicts.py``): the better encoding, the worse, the metric, the figures.
+TABLE2_CLAIMS = [
+    Claim("lrpe_unitary", "rope", "perplexity", "Type 1 31.83 against RoPE 33.36"),
+    Claim("lrpe_orthogonal", "rope", "perplexity", "Type 2 32.02 against RoPE 33.36"),
+    Claim("lrpe_unitary", "permute", "perplexity", "Type 1 31.83 against PER 32.88"),
+    Claim("lrpe_orthogonal", "permute", "perplexity", "Type 2 32.02 against PER 32.88"),
+    Claim("lrpe_unitary", "lrpe_orthogonal", "perplexity", "Type 1 31.83 against Type 2 32.02"),
+    Claim("lrpe_orthogonal", "lrpe_permutation", "perplexity", "Type 2 32.02 against Type 3 33.81"),
+    Claim("permute", "rope", "perplexity", "PER 32.88 against RoPE 33.36"),
+    Claim("rope", "none", "perplexity", "RoPE 33.36 against NoPE 35.96"),
+    Claim("sinusoidal", "none", "perplexity", "Base 33.97 against NoPE 35.96"),
+    Claim("none", "spe_sine", "perplexity", "NoPE 35.96 against SPE 43.36"),
+]
+TABLE1_CLAIMS = [
+    Claim("lrpe_orthogonal", "rope", "pretrain_perplexity", "loss: Type 2 5.12 against RoPE 5.17"),
+    Claim("lrpe_orthogonal", "sinusoidal", "pretrain_perplexity", "loss: Type 2 5.12 against Base 5.35"),
+    Claim("rope", "sinusoidal", "pretrain_perplexity", "loss: RoPE 5.17 against Base 5.35"),
+    Claim("sinusoidal", "spe_sine", "pretrain_perplexity", "loss: Base 5.35 against SPE 6.07"),
+    Claim("lrpe_orthogonal", "rope", "finetune_accuracy", "SST-2: Type 2 91.90 against RoPE 90.65"),
+    Claim("lrpe_orthogonal", "sinusoidal", "finetune_accuracy", "SST-2: Type 2 91.90 against Base 89.91"),
+]
+IMAGE_CLAIMS = [  # LRPE Table 3 (DeiT-small on ImageNet-1k; Base: DeiT's learned positions)
+    Claim("lrpe_orthogonal", "rope", "accuracy", "Type 2 78.77 against RoPE 78.64"),
+    Claim("lrpe_orthogonal", "learned", "accuracy", "Type 2 78.77 against Base 78.04"),
+    Claim("lrpe_unitary", "learned", "accuracy", "Type 1 78.60 against Base 78.04"),
+    Claim("rope", "learned", "accuracy", "RoPE 78.64 against Base 78.04"),
+    Claim("learned", "permute", "accuracy", "Base 78.04 against PER 77.81"),
+    Claim("learned", "lrpe_permutation", "accuracy", "Base 78.04 against Type 3 77.72"),
+]
+
+# Each preset: the task, what it mirrors, its encodings, its claims, and per-profile settings over the task's
+# profile.
 PRESETS = {
     "lrpe_table2": dict(
         task="clm",
         mirrors="LRPE (Qin et al.) Table 2: autoregressive LM perplexity (WikiText-103); here the Wikipedia leads",
         encodings=TABLE2_ENCODINGS,
+        claims=TABLE2_CLAIMS,
         quick={},
         medium={},
         full={},
@@ -184,6 +217,7 @@ PRESETS = {
         "then tweet sentiment",
         # the paper's rows: Base (sinusoidal), RoPE, SPE, PER, Type 1, 2, 3
         encodings=["sinusoidal", "rope", "spe_sine", "permute", "lrpe_unitary", "lrpe_orthogonal", "lrpe_permutation"],
+        claims=TABLE1_CLAIMS,
         quick={},
         medium={},
         full={},
@@ -205,6 +239,7 @@ PRESETS = {
             "fastrpb",
             "softmax:learned",
         ],  # fmt: skip
+        claims=IMAGE_CLAIMS,
         # spe_conv's 2D filters of 128 (the paper's 1D length) cost 40x those of 16, which span every offset of
         # the 8 x 8 positions (7 x 7 patches and the class token) already
         quick=dict(config_overrides='{"spe_kernel_size": 16}'),
@@ -571,6 +606,8 @@ def main(args=None):
     title = f"Preset {parsed.preset}" if parsed.preset else f"Task {settings['task']}"
     feature_maps = ",".join(settings["feature_maps"] or ["each encoding's default"])
     shown = {"seeds": settings["seeds"], "feature_maps": feature_maps, **runs[0]["settings"]}
-    written = compare_report.write_report(output_dir, results, title, preset.get("mirrors", ""), shown)
+    written = compare_report.write_report(
+        output_dir, results, title, preset.get("mirrors", ""), shown, preset.get("claims", [])
+    )
     print("Wrote " + ", ".join(str(path) for path in written), flush=True)
     return results

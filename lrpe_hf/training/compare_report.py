@@ -1,7 +1,8 @@
 """The tables and plots of an encoding comparison (lrpe_hf.training.compare) from its runs' results.
 
 - ``results.csv``: one row per run;
-- ``results.md``: one row per encoding x feature map, mean +- sample standard deviation over seeds;
+- ``results.md``: one row per encoding x feature map, mean +- sample standard deviation over seeds, and the
+  verdict on each of the preset's claims (``verdicts.py``: a paired test over seeds);
 - ``metric_<name>.png``: each metric per encoding, error bars one standard deviation;
 - ``loss_curves.png``: training loss against step per encoding, mean over seeds;
 - ``extrapolation.png`` (when runs were evaluated at other lengths): perplexity against evaluation length.
@@ -11,6 +12,8 @@ import csv
 import math
 import statistics
 from pathlib import Path
+
+from .verdicts import claims_table
 
 LENGTH_PREFIX = "perplexity_at_"
 FIGURES = ("train_time_s", "train_tokens_per_s", "peak_memory_mb")
@@ -58,7 +61,7 @@ def direction(name: str) -> str:
     return " (lower is better)" if "perplexity" in name else " (higher is better)" if "accuracy" in name else ""
 
 
-def write_markdown(path: Path, results: list[dict], title: str, mirrors: str, settings: dict) -> Path:
+def write_markdown(path: Path, results: list[dict], title: str, mirrors: str, settings: dict, claims=()) -> Path:
     names = metric_names(results)
     lines = [f"# {title}", ""]
     if mirrors:
@@ -74,6 +77,10 @@ def write_markdown(path: Path, results: list[dict], title: str, mirrors: str, se
         row += [cell([r["metrics"][n] for r in runs if n in r["metrics"]]) for n in names]
         row += [f"{statistics.fmean(r[k] for r in runs):,.1f}" for k in FIGURES]
         lines.append("| " + " | ".join(row + [str(len(runs))]) + " |")
+    table = claims_table(results, list(claims))
+    if len(table) > 2:
+        lines += ["", "The papers' claims, each a paired test over seeds (``lrpe_hf/training/verdicts.py``):", ""]
+        lines += table
     path.write_text("\n".join(lines) + "\n")
     return path
 
@@ -142,9 +149,11 @@ def plot_extrapolation(path: Path, results: list[dict], lengths: list[int]) -> P
     return save(plt, fig, path)
 
 
-def write_report(output_dir: Path, results: list[dict], title: str, mirrors: str, settings: dict) -> list[Path]:
+def write_report(
+    output_dir: Path, results: list[dict], title: str, mirrors: str, settings: dict, claims=()
+) -> list[Path]:
     written = [write_csv(output_dir / "results.csv", results)]
-    written.append(write_markdown(output_dir / "results.md", results, title, mirrors, settings))
+    written.append(write_markdown(output_dir / "results.md", results, title, mirrors, settings, claims))
     names = [name for name in metric_names(results) if not name.startswith(LENGTH_PREFIX)]  # those: extrapolation
     written += [plot_metric(output_dir / f"metric_{name}.png", results, name) for name in names]
     written.append(plot_loss_curves(output_dir / "loss_curves.png", results))
