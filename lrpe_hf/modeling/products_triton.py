@@ -17,6 +17,7 @@ FastRPB's bias and SPE's codes happen around it. What the kernels cannot take (`
 tensors off CUDA, and query or value widths above ``MAX_WIDTH``.
 """
 
+import functools
 import importlib.util
 
 import torch
@@ -29,11 +30,25 @@ def fla_installed() -> bool:
     return importlib.util.find_spec("fla") is not None
 
 
-def fla_kernels():
-    """fla's chunked and one-step kernels, imported on first use (fla's package needs a GPU driver to import)."""
-    from fla.ops.simple_gla import chunk_simple_gla, fused_recurrent_simple_gla
+@functools.cache
+def load_fla():
+    """fla's chunked and one-step kernels and None, or None and why they cannot be had. Imported on first use, on a
+    machine with a GPU: fla's package needs a GPU driver to import."""
+    if not fla_installed():
+        return None, "fla-core is not installed (pip install 'lrpe-hf[gpu]')"
+    try:
+        from fla.ops.simple_gla import chunk_simple_gla, fused_recurrent_simple_gla
+    except Exception as error:  # an fla that does not import here (say, against this Triton) leaves the torch path
+        return None, f"fla-core does not import: {error}"
+    return (chunk_simple_gla, fused_recurrent_simple_gla), None
 
-    return chunk_simple_gla, fused_recurrent_simple_gla
+
+def fla_kernels():
+    """fla's (chunked, one-step) kernels."""
+    kernels, why_not = load_fla()
+    if kernels is None:
+        raise ImportError(why_not)
+    return kernels
 
 
 def can_run(q, v, with_denominator: bool) -> str | None:
@@ -42,9 +57,7 @@ def can_run(q, v, with_denominator: bool) -> str | None:
         return "its inputs are not on a CUDA device"
     if q.shape[-1] > MAX_WIDTH or v.shape[-1] + with_denominator > MAX_WIDTH:
         return f"query width {q.shape[-1]} or value width {v.shape[-1] + with_denominator} is above {MAX_WIDTH}"
-    if not fla_installed():
-        return "fla-core is not installed (pip install 'lrpe-hf[gpu]')"
-    return None
+    return load_fla()[1]
 
 
 def fla_causal_product(
