@@ -34,6 +34,8 @@ def load_fla_references():
 
 
 def reference_kernels():
+    """fla's references as the adapter's kernels. They compute in float32 whatever their inputs, so the comparisons
+    with our torch path below allow float32's rounding (1e-5), not float64's."""
     naive = load_fla_references()
 
     def gates_of(q, g, g_gamma):
