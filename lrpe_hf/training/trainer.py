@@ -1,7 +1,10 @@
 """A Trainer whose model card is the lrpe-hf card, and the train / evaluate / save steps every script shares."""
 
+import atexit
+import functools
 from pathlib import Path
 
+import torch
 from transformers import Trainer
 
 from .lora import is_adapter, save_merged_model
@@ -18,6 +21,8 @@ class CardTrainer(Trainer):
         super().__init__(*args, **kwargs)
         self.card = card
         self.card_metrics = {}
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            destroy_process_group_at_exit()
 
     def create_model_card(self, **kwargs):
         """The lrpe-hf card for LinearGPT / LinearRoberta / LinearViT; Transformers' own card for other models
@@ -36,6 +41,19 @@ class CardTrainer(Trainer):
         write_model_card(
             self.args.output_dir, self.model, model_id=model_id, metrics=self.card_metrics, training=training, **fields
         )
+
+
+@functools.cache
+def destroy_process_group_at_exit():
+    """Tear torch.distributed down when the script's process exits (once per process, after every stage it runs):
+    left to the interpreter's own teardown, the process group's threads can abort a process that finished its work
+    ("terminate called without an active exception", seen on two CPU processes)."""
+
+    def destroy():
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+    atexit.register(destroy)
 
 
 def train_and_evaluate(trainer: CardTrainer, extra_metrics=None) -> dict:
