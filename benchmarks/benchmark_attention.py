@@ -11,7 +11,8 @@ Two parts, measured side by side in one run (the machine may be shared and noisy
 
 On a CPU every configuration runs in a forked child process, so that its peak resident memory can be read; on
 CUDA it runs in this process and its memory is the allocator's peak, reset before it.
-Writes ``results.csv``, ``results.md`` and ``results.png`` to ``--out`` and prints the summary of ratios.
+Writes ``results.csv``, ``results.md``, ``results.png`` and ``results.json`` (the command, commit, machine and
+date) to ``--out`` and prints the summary of ratios.
 
     python benchmarks/benchmark_attention.py                   # 512 ... 32k tokens, every encoding
     python benchmarks/benchmark_attention.py --lengths 512 2048 --encodings none rope --device cuda
@@ -24,7 +25,7 @@ import csv
 from pathlib import Path
 
 import torch
-from measure import allocator_note, in_child, peak_memory_mb, resident_mb, timed, timed_alternately
+from measure import allocator_note, in_child, peak_memory_mb, resident_mb, timed, timed_alternately, write_provenance
 from torch.nn import functional as F
 
 import lrpe_hf
@@ -164,6 +165,7 @@ def main():
                 print(rows[-1], flush=True)
 
     write_tables(rows, args.out)
+    write_provenance(args.out / "results.json", args.device)
     plot(rows, args.out)
     print("\n".join(summary(rows)))
 

@@ -9,7 +9,8 @@ issue's target for it (15% over none; 50% for SPE).
     python benchmarks/benchmark_encodings.py                                  # causal, 4,096 tokens, 8 rounds
     python benchmarks/benchmark_encodings.py --tokens 16384 --mode bidirectional --encodings none rope permute
 
-Writes ``encodings.csv`` and ``encodings.md`` to ``--out``. ``spe_conv`` is left out by default: its codes are
+Writes ``encodings.csv``, ``encodings.md`` and ``encodings.json`` (the command, commit, machine and date) to
+``--out``. ``spe_conv`` is left out by default: its codes are
 (tokens x head dim x realizations) per head, shared by a model's layers, so its cost is measured inside a model
 (``benchmark_models.py --encodings none spe_conv``).
 """
@@ -20,7 +21,7 @@ import statistics
 from pathlib import Path
 
 import torch
-from measure import allocator_note, sample_alternately
+from measure import allocator_note, sample_alternately, write_provenance
 
 import lrpe_hf
 
@@ -97,6 +98,7 @@ def main():
         )
     print("\n".join(lines))
     (args.out / "encodings.md").write_text("\n".join(lines) + "\n")
+    write_provenance(args.out / "encodings.json", args.device)
     with open(args.out / "encodings.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()

@@ -10,7 +10,8 @@ reset allocator peak):
 - generation: milliseconds per new token after a prompt of C tokens (prefill with the cache, then one token
   at a time), and tokens/s at batch 8.
 
-Writes ``models.csv``, ``models.md`` and ``models.png`` to ``--out`` and prints the summary of ratios.
+Writes ``models.csv``, ``models.md``, ``models.png`` and ``models.json`` (the command, commit, machine and date)
+to ``--out`` and prints the summary of ratios.
 
     python benchmarks/benchmark_models.py
     python benchmarks/benchmark_models.py --lengths 512 4096 --contexts 256 4096 --encodings none permute
@@ -22,7 +23,15 @@ import csv
 from pathlib import Path
 
 import torch
-from measure import allocator_note, high_water_mark_mb, in_child, peak_memory_mb, resident_mb, timed
+from measure import (
+    allocator_note,
+    high_water_mark_mb,
+    in_child,
+    peak_memory_mb,
+    resident_mb,
+    timed,
+    write_provenance,
+)
 from transformers import AutoModelForCausalLM, GPT2Config
 
 from lrpe_hf import LinearAttentionCache, LinearGPTConfig, LinearGPTForCausalLM
@@ -198,6 +207,7 @@ def main():
             rows.append({"task": "generate-batch8", "model": name, "tokens": context, **result})
             print(rows[-1], flush=True)
     fields = ["task", "model", "tokens", "seconds", "tokens_per_s", "peak_mb", "vm_hwm_mb", "ms_per_token", "error"]
+    write_provenance(args.out / "models.json", args.device)
     with open(args.out / "models.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=fields)
         writer.writeheader()

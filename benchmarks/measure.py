@@ -1,10 +1,15 @@
 """Timing and peak-memory helpers shared by the benchmark scripts."""
 
+import datetime
 import gc
 import json
 import os
+import platform
 import resource
+import shlex
 import statistics
+import subprocess
+import sys
 import time
 
 import torch
@@ -45,6 +50,30 @@ def allocator_note() -> str:
     if os.environ.get("THP_MEM_ALLOC_ENABLE", "0") not in ("0", ""):
         return "CPU allocator: THP_MEM_ALLOC_ENABLE=1 (tensors of 2 MB or more on transparent huge pages)"
     return "CPU allocator: default (THP_MEM_ALLOC_ENABLE unset)"
+
+
+def write_provenance(path, device: str):
+    """``path`` (a JSON file beside the run's CSV): the command, the code's commit, the machine and the date."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    git = ["git", "-C", root, "describe", "--always", "--dirty", "--abbrev=12"]
+    commit = subprocess.run(git, capture_output=True, text=True).stdout.strip() or "unknown"
+    if device == "cuda":
+        machine = torch.cuda.get_device_name()
+    else:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+        machine = f"{model or platform.processor()}, {os.cpu_count()} cores"
+    record = dict(
+        command="python " + shlex.join([os.path.relpath(sys.argv[0], root), *sys.argv[1:]]),
+        commit=commit,
+        device=machine,
+        date=datetime.date.today().isoformat(),
+        torch=torch.__version__,
+        threads=torch.get_num_threads(),
+        allocator=allocator_note() if device == "cpu" else "CUDA caching allocator",
+    )
+    with open(path, "w") as f:
+        json.dump(record, f, indent=2)
 
 
 def resident_mb():
