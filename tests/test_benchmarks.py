@@ -1,9 +1,15 @@
 """The benchmark scripts run end to end (at tiny sizes: their figures are measured by hand, not in tests)."""
 
 import csv
+import datetime
+import json
+import re
 import subprocess
 import sys
 from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer, BertConfig, BertModel
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
@@ -19,3 +25,45 @@ def test_encodings_benchmark_reports_every_encoding_over_none(tmp_path):
     assert all(float(r["fastest_ms"]) > 0 for r in rows)
     assert [r["target"] for r in rows] == ["1.15", "1.15", "1.15"]
     assert "| fastrpb |" in (tmp_path / "encodings.md").read_text()
+
+
+def test_each_benchmark_records_its_command_commit_machine_and_date(tmp_path):
+    command = [sys.executable, str(BENCHMARKS / "benchmark_encodings.py"), "--tokens", "32", "--rounds", "1"]
+    command += ["--encodings", "rope", "--out", str(tmp_path)]
+    assert subprocess.run(command, capture_output=True, text=True, timeout=300).returncode == 0
+    record = json.loads((tmp_path / "encodings.json").read_text())
+    assert record["command"].startswith("python benchmarks/benchmark_encodings.py --tokens 32")
+    assert re.fullmatch(r"[0-9a-f]{7,40}(-dirty)?|unknown", record["commit"])
+    assert record["date"] == datetime.date.today().isoformat()
+    assert record["device"] and record["torch"] == torch.__version__
+
+
+def test_linearization_benchmark_runs_every_stage_with_a_local_teacher(workspace, tmp_path):
+    """A tiny random BERT stands in for the pretrained teacher (the benchmark itself fetches all-MiniLM-L6-v2; the
+    tests never download): every model of the table is trained and evaluated, and the students that have no
+    parameters for attention transfer skip it."""
+    tokenizer = AutoTokenizer.from_pretrained(workspace / "tokenizer")
+    config = BertConfig(
+        vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        max_position_embeddings=80, pad_token_id=tokenizer.pad_token_id,
+    )  # fmt: skip
+    BertModel(config).save_pretrained(tmp_path / "teacher")
+    tokenizer.save_pretrained(tmp_path / "teacher")
+    command = [sys.executable, str(BENCHMARKS / "linearization_quality.py"), "--teacher", str(tmp_path / "teacher")]
+    command += ["--output_dir", str(tmp_path / "out"), "--seeds", "0", "--feature_maps", "elu,hedgehog"]
+    command += ["--encodings", "none", "--teacher_steps", "2", "--transfer_steps", "2", "--finetune_steps", "2"]
+    command += ["--max_eval_samples", "16", "--max_seq_length", "32"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    with open(tmp_path / "out/results.csv") as f:
+        rows = {(r["model"], r["feature_map"]): r for r in csv.DictReader(f)}
+    assert set(rows) == {
+        ("softmax", "-"), ("softmax, same steps", "-"), ("linearized", "elu"), ("linearized", "hedgehog"),
+        ("linear from scratch", "elu"),
+    }  # fmt: skip
+    assert [rows[k]["steps"] for k in sorted(rows)] == ["6", "4", "6", "2", "4"]
+    assert rows[("linearized", "elu")]["transfer_loss"] == "-"  # nothing to train: no transfer stage
+    assert rows[("linearized", "hedgehog")]["transfer_loss"] == "output_mse"
+    assert 0 <= float(rows[("linearized", "hedgehog")]["accuracy_after_transfer"]) <= 1
+    assert float(rows[("linearized", "hedgehog")]["transfer_loss_eval"]) >= 0
+    assert "| linearized | hedgehog | none |" in result.stdout

@@ -1,0 +1,192 @@
+"""Markdown tables from per-run result rows (a comparison's or a benchmark's ``results.csv``, read as dicts).
+
+The docs' tables are built by these functions from the CSVs under ``docs/data/`` (``docs/build_tables.py``), so a
+table cannot drift from its data. Every paired difference is taken between runs of the same seed, with the 95%
+interval of ``verdicts.paired_test``.
+"""
+
+import math
+import statistics
+
+from .compare_report import cell
+from .verdicts import lower_is_better, paired_test
+
+ROW_KEYS = ("encoding", "feature_map")
+
+
+def number(value) -> float | None:
+    return None if value in (None, "", "-") else float(value)
+
+
+def by_seed(rows: list[dict], metric: str, **match) -> dict[str, float]:
+    """{seed: value of ``metric``} over the rows whose fields equal ``match``."""
+    values = {}
+    for row in rows:
+        if all(str(row.get(k)) == str(v) for k, v in match.items()) and number(row.get(metric)) is not None:
+            values[str(row["seed"])] = number(row[metric])
+    return values
+
+
+def groups(rows: list[dict], keys=ROW_KEYS) -> list[tuple]:
+    """The distinct values of ``keys``, in the rows' order."""
+    seen = []
+    for row in rows:
+        key = tuple(str(row[k]) for k in keys)
+        if key not in seen:
+            seen.append(key)
+    return seen
+
+
+def paired_cell(values: dict[str, float], baseline: dict[str, float]) -> str:
+    """The mean paired difference to ``baseline`` over the seeds both have, with its 95% interval."""
+    test = paired_test([values[s] - baseline[s] for s in values if s in baseline])
+    if test.pairs < 2:
+        return "-" if test.pairs == 0 else f"{test.mean:+.4g} (one seed)"
+    return f"{test.mean:+.4g} [{test.low:+.3g}, {test.high:+.3g}]"
+
+
+def markdown(header: list[str], body: list[list[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return lines + ["| " + " | ".join(row) + " |" for row in body]
+
+
+def encodings_table(rows: list[dict], metric: str, baseline: str) -> list[str]:
+    """One row per encoding x feature map: ``metric`` mean ± std over seeds, and the paired difference to the
+    ``baseline`` encoding (with the baseline's own feature map)."""
+    reference = by_seed(rows, metric, encoding=baseline)
+    better = "lower" if lower_is_better(metric) else "higher"
+    header = ["encoding", "feature map", f"{metric} ({better} is better)", f"paired difference to {baseline}", "seeds"]
+    body = []
+    for encoding, feature_map in groups(rows):
+        values = by_seed(rows, metric, encoding=encoding, feature_map=feature_map)
+        difference = "0" if encoding == baseline else paired_cell(values, reference)
+        body.append([encoding, feature_map, cell(list(values.values())), difference, str(len(values))])
+    return markdown(header, body)
+
+
+def grid_table(rows: list[dict], metric: str) -> list[str]:
+    """Encodings down, feature maps across: ``metric`` mean ± std over seeds."""
+    encodings = [e for (e,) in groups(rows, ("encoding",))]
+    feature_maps = [m for (m,) in groups(rows, ("feature_map",))]
+    body = []
+    for encoding in encodings:
+        cells = []
+        for feature_map in feature_maps:
+            values = list(by_seed(rows, metric, encoding=encoding, feature_map=feature_map).values())
+            cells.append(cell(values) if values else "-")
+        body.append([encoding, *cells])
+    return markdown(["encoding", *feature_maps], body)
+
+
+def lengths_table(rows: list[dict], prefix: str = "perplexity_at_") -> list[str]:
+    """Perplexity at each evaluation length (columns ``<prefix><length>``), and the change from the first length
+    to the last (mean over seeds of each run's own change)."""
+    lengths = sorted({int(k.removeprefix(prefix)) for row in rows for k in row if k.startswith(prefix)})
+    first, last = f"{prefix}{lengths[0]}", f"{prefix}{lengths[-1]}"
+    header = ["encoding", *(f"at {n:,}" for n in lengths), f"change {lengths[0]:,} -> {lengths[-1]:,}", "seeds"]
+    body = []
+    for encoding, feature_map in groups(rows):
+        match = dict(encoding=encoding, feature_map=feature_map)
+        cells = [cell(list(by_seed(rows, f"{prefix}{n}", **match).values())) for n in lengths]
+        start, end = by_seed(rows, first, **match), by_seed(rows, last, **match)
+        change = statistics.fmean(end[s] / start[s] - 1 for s in start)
+        body.append([encoding, *cells, f"{100 * change:+.1f}%", str(len(start))])
+    return markdown(header, body)
+
+
+def columns_table(sources: list[tuple[str, list[dict], str]]) -> list[str]:
+    """Several sweeps side by side: one column per (label, rows, metric), one row per encoding."""
+    encodings = []
+    for _, rows, _ in sources:
+        encodings += [e for (e,) in groups(rows, ("encoding",)) if e not in encodings]
+    body = []
+    for encoding in encodings:
+        cells = []
+        for _, rows, metric in sources:
+            values = list(by_seed(rows, metric, encoding=encoding).values())
+            cells.append(cell(values) if values else "-")
+        body.append([encoding, *cells])
+    return markdown(["encoding", *(label for label, _, _ in sources)], body)
+
+
+def linearization_table(rows: list[dict]) -> list[str]:
+    """``benchmarks/linearization_quality.py``'s runs: accuracy, and the share of the softmax model of the same
+    steps it recovers (mean over seeds of the per-seed ratio), with the paired difference to that model."""
+    reference = by_seed(rows, "eval_accuracy", model="softmax, same steps")
+    header = [
+        "model", "feature map", "encoding", "steps", "accuracy", "recovered",
+        "paired difference to softmax, same steps", "accuracy after transfer, before fine-tuning",
+        "transfer loss: first 10 steps -> held-out, after", "seeds",
+    ]  # fmt: skip
+    body = []
+    for model, feature_map, encoding in groups(rows, ("model", "feature_map", "encoding")):
+        match = dict(model=model, feature_map=feature_map, encoding=encoding)
+        accuracy = by_seed(rows, "eval_accuracy", **match)
+        ratios = [accuracy[s] / reference[s] for s in accuracy if s in reference]
+        recovered = f"{100 * statistics.fmean(ratios):.1f}%" if ratios else "-"
+        difference = "0" if model == "softmax, same steps" else paired_cell(accuracy, reference)
+        after = list(by_seed(rows, "accuracy_after_transfer", **match).values())
+        first = list(by_seed(rows, "transfer_loss_first", **match).values())
+        held_out = list(by_seed(rows, "transfer_loss_eval", **match).values())
+        loss = f"{statistics.fmean(first):.3g} -> {statistics.fmean(held_out):.3g}" if first and held_out else "-"
+        steps = {str(r["steps"]) for r in rows if all(str(r[k]) == v for k, v in match.items())}
+        body.append(
+            [model, feature_map, encoding, "/".join(sorted(steps)), cell(list(accuracy.values())), recovered,
+             difference, cell(after) if after else "-", loss, str(len(accuracy))]
+        )  # fmt: skip
+    return markdown(header, body)
+
+
+def csv_table(rows: list[dict], columns: list[str], digits: int = 4) -> list[str]:
+    """The rows as they are, the given columns, numbers to ``digits`` significant digits."""
+
+    def show(value) -> str:
+        try:
+            x = float(value)
+        except (TypeError, ValueError):
+            return str(value)
+        if math.isnan(x):
+            return "-"
+        return f"{x:,.{digits}g}" if abs(x) >= 1 else f"{x:.{digits}g}"
+
+    return markdown(columns, [[show(row.get(c, "")) for c in columns] for row in rows])
+
+
+def attention_floors_table(rows: list[dict]) -> list[str]:
+    """``benchmark_attention.py``'s layer rows: each layer's time over its own four projections' (its floor,
+    timed in the same child), and softmax attention's (SDPA) forward over the linear layer's."""
+
+    def layer(name, mode, tokens):
+        return next((r for r in rows if (r["part"], r["name"], r["mode"], str(r["tokens"])) == ("layer", name, mode,
+                     str(tokens)) and number(r.get("forward_ms"))), None)  # fmt: skip
+
+    header = [
+        "layer", "mode", "tokens", "forward ms", "over its projections", "forward+backward ms",
+        "over its projections'", "peak MB", "SDPA layer forward over it",
+    ]  # fmt: skip
+    body = []
+    for name, mode, tokens in groups([r for r in rows if r["part"] == "layer"], ("name", "mode", "tokens")):
+        row = layer(name, mode, tokens)
+        if row is None or name.startswith("softmax"):
+            continue
+        forward, train = number(row["forward_ms"]), number(row["train_ms"])
+        softmax = layer(f"softmax+{name}", mode, tokens) or layer("softmax+none", mode, tokens)
+        sdpa = f"{number(softmax['forward_ms']) / forward:.1f}x" if softmax and name == "none" else "-"
+        body.append(
+            [name, mode, f"{int(tokens):,}", f"{forward:,.1f}", f"{forward / number(row['floor_forward_ms']):.2f}x",
+             f"{train:,.1f}", f"{train / number(row['floor_train_ms']):.2f}x", f"{number(row['peak_mb']):,.0f}", sdpa]
+        )  # fmt: skip
+    return markdown(header, body)
+
+
+def models_table(rows: list[dict], task: str, column: str, reference: str = "gpt2-sdpa") -> list[str]:
+    """``benchmark_models.py``'s rows of one task: ``column`` per model and length, and over ``reference``'s at
+    the same length (where it ran)."""
+    chosen = [r for r in rows if r["task"] == task and number(r.get(column)) is not None]
+    header = ["model", "tokens", column.replace("_", " "), f"over {reference}"]
+    body = []
+    for row in chosen:
+        base = next((r for r in chosen if r["model"] == reference and r["tokens"] == row["tokens"]), None)
+        ratio = f"{number(row[column]) / number(base[column]):.2f}x" if base else "-"
+        body.append([row["model"], f"{int(row['tokens']):,}", f"{number(row[column]):,.3g}", ratio])
+    return markdown(header, body)
