@@ -19,9 +19,11 @@ embedded tweet sentiment data (3 classes, 10,000 training and 2,000 validation t
     python benchmarks/linearization_quality.py --output_dir out/linearization --seeds 0,1,2
     python benchmarks/linearization_quality.py --seeds 0 --feature_maps hedgehog --encodings none   # one student
 
-Each run's metrics go to ``<output_dir>/<seed>/<run>/result.json`` (finished runs are reused when the script is
-run again) and one row per run to ``<output_dir>/results.csv``; the table of accuracy recovered, each student
-against the softmax model of the same steps paired by seed, is printed.
+Each run's metrics go to ``<output_dir>/seed<N>/<run>/result.json`` (a finished run is reused when the script is run
+again) and one row per run to ``<output_dir>/results.csv``, which keeps the rows of earlier invocations (other
+seeds, other transfer settings: ``--transfer_steps 300 --scratch_encoding ""`` adds a variant of the students
+beside the others). The table of accuracy recovered, each student against the softmax model of the same steps
+paired by seed, is printed.
 """
 
 import argparse
@@ -94,7 +96,7 @@ def main():
     parser.add_argument("--feature_maps", default="elu,hedgehog,t2r")
     parser.add_argument("--encodings", default="none,rope,lrpe_orthogonal")
     parser.add_argument("--transfer_loss", default="output_mse", choices=linearization.TRANSFER_LOSSES)
-    parser.add_argument("--scratch_encoding", default="lrpe_orthogonal")
+    parser.add_argument("--scratch_encoding", default="lrpe_orthogonal", help="empty: no from-scratch run")
     parser.add_argument("--teacher_steps", type=int, default=300)
     parser.add_argument("--transfer_steps", type=int, default=50)
     parser.add_argument("--finetune_steps", type=int, default=100)
@@ -130,18 +132,19 @@ def main():
                      seconds=round(metrics["seconds"], 1), **extra)
             )  # fmt: skip
 
-        teacher = root / "softmax"
+        teacher = root / f"softmax-{args.teacher_steps}"
         teacher_run = ["--model_name_or_path", pretrained, *finetune, "--max_steps", args.teacher_steps]
         row("softmax", args.teacher_steps, cached(teacher, glue.main, [*teacher_run, *common, "--output_dir", teacher]))
-        same = root / "softmax_same_steps"
+        same = root / f"softmax-{args.teacher_steps}+{args.finetune_steps}"
         same_run = ["--model_name_or_path", teacher, *finetune, "--max_steps", args.finetune_steps]
         steps = args.teacher_steps + args.finetune_steps
         row("softmax, same steps", steps, cached(same, glue.main, [*same_run, *common, "--output_dir", same]))
 
         for feature_map in args.feature_maps.split(","):
             for encoding in args.encodings.split(","):
-                folder = root / f"{feature_map}-{encoding}-{args.transfer_loss}"
                 transfer = feature_map not in FIXED_FEATURE_MAPS or encoding not in FIXED_ENCODINGS
+                stages = f"{args.transfer_loss}-{args.transfer_steps}+" if transfer else ""
+                folder = root / f"{feature_map}-{encoding}-{stages}{args.finetune_steps}"
                 student = [
                     *["--model_name_or_path", teacher, "--task", "classification", "--feature_map", feature_map],
                     *["--positional_encoding", encoding, "--transfer_loss", args.transfer_loss],
@@ -162,11 +165,14 @@ def main():
                         transfer_loss_eval=metrics["attention_transfer"]["eval_transfer_loss"],
                     )
                 steps = args.teacher_steps + args.finetune_steps + (args.transfer_steps if transfer else 0)
-                row("linearized", steps, dict(metrics["finetune"], seconds=metrics["seconds"]), feature_map,
-                    encoding, args.transfer_loss if transfer else "-", **extra)  # fmt: skip
+                model = f"linearized, {args.transfer_steps} {args.transfer_loss} steps" if transfer else "linearized"
+                row(model, steps, dict(metrics["finetune"], seconds=metrics["seconds"]), feature_map, encoding,
+                    args.transfer_loss if transfer else "-", **extra)  # fmt: skip
 
-        scratch = root / f"scratch-{args.scratch_encoding}"
+        if not args.scratch_encoding:
+            continue
         steps = args.teacher_steps + args.transfer_steps + args.finetune_steps
+        scratch = root / f"scratch-{args.scratch_encoding}-{steps}"
         shape = root / "scratch_config"
         if not (shape / "config.json").exists():  # the student's architecture, from the converted teacher
             from lrpe_hf.linearize import linearize
@@ -178,12 +184,26 @@ def main():
         metrics = cached(scratch, glue.main, [*scratch_run, *common, "--output_dir", scratch])
         row("linear from scratch", steps, metrics, "elu", args.scratch_encoding)
 
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / "results.csv", "w", newline="") as f:
+    rows = merged(out / "results.csv", rows)
+    print("\n".join(linearization_table(rows)))
+
+
+def merged(path: Path, rows: list[dict]) -> list[dict]:
+    """``path``'s rows (earlier runs of the script: other seeds, other settings) with ``rows`` added or
+    replacing those of the same seed, model, feature map and encoding; written back to ``path``."""
+    key = ("seed", "model", "feature_map", "encoding")
+    kept = {}
+    if path.exists():
+        with open(path, newline="") as f:
+            kept = {tuple(r[k] for k in key): r for r in csv.DictReader(f)}
+    kept.update({tuple(str(r[k]) for k in key): r for r in rows})
+    table = sorted(kept.values(), key=lambda r: int(r["seed"]))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=COLUMNS)
         writer.writeheader()
-        writer.writerows(rows)
-    print("\n".join(linearization_table(rows)))
+        writer.writerows(table)
+    return table
 
 
 if __name__ == "__main__":

@@ -49,21 +49,30 @@ def test_linearization_benchmark_runs_every_stage_with_a_local_teacher(workspace
     )  # fmt: skip
     BertModel(config).save_pretrained(tmp_path / "teacher")
     tokenizer.save_pretrained(tmp_path / "teacher")
-    command = [sys.executable, str(BENCHMARKS / "linearization_quality.py"), "--teacher", str(tmp_path / "teacher")]
-    command += ["--output_dir", str(tmp_path / "out"), "--seeds", "0", "--feature_maps", "elu,hedgehog"]
-    command += ["--encodings", "none", "--teacher_steps", "2", "--transfer_steps", "2", "--finetune_steps", "2"]
-    command += ["--max_eval_samples", "16", "--max_seq_length", "32"]
+    base = [sys.executable, str(BENCHMARKS / "linearization_quality.py"), "--teacher", str(tmp_path / "teacher")]
+    base += ["--output_dir", str(tmp_path / "out"), "--seeds", "0", "--teacher_steps", "2", "--finetune_steps", "2"]
+    base += ["--max_eval_samples", "16", "--max_seq_length", "32", "--encodings", "none"]
+    command = [*base, "--feature_maps", "elu,hedgehog", "--transfer_steps", "2"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     with open(tmp_path / "out/results.csv") as f:
         rows = {(r["model"], r["feature_map"]): r for r in csv.DictReader(f)}
+    transferred = ("linearized, 2 output_mse steps", "hedgehog")
     assert set(rows) == {
-        ("softmax", "-"), ("softmax, same steps", "-"), ("linearized", "elu"), ("linearized", "hedgehog"),
+        ("softmax", "-"), ("softmax, same steps", "-"), ("linearized", "elu"), transferred,
         ("linear from scratch", "elu"),
     }  # fmt: skip
     assert [rows[k]["steps"] for k in sorted(rows)] == ["6", "4", "6", "2", "4"]
     assert rows[("linearized", "elu")]["transfer_loss"] == "-"  # nothing to train: no transfer stage
-    assert rows[("linearized", "hedgehog")]["transfer_loss"] == "output_mse"
-    assert 0 <= float(rows[("linearized", "hedgehog")]["accuracy_after_transfer"]) <= 1
-    assert float(rows[("linearized", "hedgehog")]["transfer_loss_eval"]) >= 0
-    assert "| linearized | hedgehog | none |" in result.stdout
+    assert rows[transferred]["transfer_loss"] == "output_mse"
+    assert 0 <= float(rows[transferred]["accuracy_after_transfer"]) <= 1
+    assert float(rows[transferred]["transfer_loss_eval"]) >= 0
+    assert "| linearized, 2 output_mse steps | hedgehog | none |" in result.stdout
+
+    # a variant of one student joins the table; the baselines are reused, the earlier rows kept
+    variant = [*base, "--feature_maps", "hedgehog", "--transfer_steps", "3", "--scratch_encoding", ""]
+    result = subprocess.run(variant, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    with open(tmp_path / "out/results.csv") as f:
+        models = sorted(r["model"] for r in csv.DictReader(f))
+    assert models == sorted([*(m for m, _ in rows), "linearized, 3 output_mse steps"])
