@@ -188,5 +188,7 @@ def models_table(rows: list[dict], task: str, column: str, reference: str = "gpt
     for row in chosen:
         base = next((r for r in chosen if r["model"] == reference and r["tokens"] == row["tokens"]), None)
         ratio = f"{number(row[column]) / number(base[column]):.2f}x" if base else "-"
-        body.append([row["model"], f"{int(row['tokens']):,}", f"{number(row[column]):,.3g}", ratio])
+        value = number(row[column])
+        shown = f"{value:,.0f}" if value >= 100 else f"{value:.3g}"
+        body.append([row["model"], f"{int(row['tokens']):,}", shown, ratio])
     return markdown(header, body)
