@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from lrpe_hf import linearize, linearize_transfer_parameters
 from lrpe_hf.training import glue, linearization
 from lrpe_hf.training.tables import linearization_table
 
@@ -46,9 +47,6 @@ COLUMNS = (
     "seed", "model", "feature_map", "encoding", "transfer_loss", "steps", "eval_accuracy", "eval_f1_macro",
     "accuracy_after_transfer", "transfer_loss_first", "transfer_loss_eval", "seconds",
 )  # fmt: skip
-# Feature maps and encodings without parameters: their students have nothing for attention transfer to train.
-FIXED_FEATURE_MAPS = ("elu", "relu")
-FIXED_ENCODINGS = ("none", "rope")
 
 
 def fetch_teacher(cache_dir: Path) -> Path:
@@ -142,7 +140,7 @@ def main():
 
         for feature_map in args.feature_maps.split(","):
             for encoding in args.encodings.split(","):
-                transfer = feature_map not in FIXED_FEATURE_MAPS or encoding not in FIXED_ENCODINGS
+                transfer = has_transfer_parameters(teacher, feature_map, encoding)
                 stages = f"{args.transfer_loss}-{args.transfer_steps}+" if transfer else ""
                 folder = root / f"{feature_map}-{encoding}-{stages}{args.finetune_steps}"
                 student = [
@@ -175,8 +173,6 @@ def main():
         scratch = root / f"scratch-{args.scratch_encoding}-{steps}"
         shape = root / "scratch_config"
         if not (shape / "config.json").exists():  # the student's architecture, from the converted teacher
-            from lrpe_hf.linearize import linearize
-
             student = linearize(str(teacher), positional_encoding=args.scratch_encoding, feature_map="elu")
             student.config.save_pretrained(shape)
         scratch_run = ["--config_file", shape / "config.json", "--tokenizer_name", pretrained]
@@ -186,6 +182,13 @@ def main():
 
     rows = merged(out / "results.csv", rows)
     print("\n".join(linearization_table(rows)))
+
+
+def has_transfer_parameters(teacher: Path, feature_map: str, encoding: str) -> bool:
+    """Whether ``teacher`` converted with this feature map and encoding has anything for attention transfer to
+    train (1 + elu with no encoding or rope has not: its student goes straight to fine-tuning)."""
+    student = linearize(str(teacher), positional_encoding=encoding, feature_map=feature_map)
+    return bool(linearize_transfer_parameters(student))
 
 
 def merged(path: Path, rows: list[dict]) -> list[dict]:
