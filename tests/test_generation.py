@@ -288,10 +288,16 @@ def test_an_argument_the_model_does_not_use_raises_naming_it():
         model(prompt(), recurrent_state=cache)
     with pytest.raises(TypeError, match="does not use: cu_seq_lens_q"):
         model.model(prompt(), cu_seq_lens_q=torch.tensor([0, 7]))
-    with pytest.raises(ValueError, match="cannot return attention weights"):
-        model(prompt(), output_attentions=True)
-    # what transformers passes and the model understands: the loss's token count, cache slots, return_dict
-    out = model(prompt(), labels=prompt(), num_items_in_batch=10, cache_position=torch.arange(7), return_dict=True)
+    # what transformers passes and the model understands or has no use for: the loss's token count, cache slots,
+    # return_dict, generate's tokenizer (for stop strings)
+    out = model(
+        prompt(),
+        labels=prompt(),
+        num_items_in_batch=10,
+        cache_position=torch.arange(7),
+        return_dict=True,
+        tokenizer=None,
+    )
     assert out.loss is not None
 
 

@@ -295,11 +295,28 @@ def test_vit_accepts_other_image_sizes_with_relative_encodings():
     learned = LinearViTForImageClassification(
         vit_config(positional_encoding="none", absolute_position_embedding="learned")
     ).eval()
-    with pytest.raises(ValueError, match="32x32 images"):
+    with pytest.raises(ValueError, match="32x32 images; got 48x48. Pass interpolate_pos_encoding=True"):
         learned(pixel_values=images(size=48))
     fastrpb = LinearViTForImageClassification(vit_config(positional_encoding="fastrpb")).eval()
-    with pytest.raises(ValueError, match="max_positions"):
+    with pytest.raises(ValueError, match=r"32x32 images \(image_size=32\); got 48x48.*image_size >= 48"):
         fastrpb(pixel_values=images(size=48))
+
+
+def test_vit_interpolates_its_learned_table_as_vit_does():
+    """interpolate_pos_encoding=True resizes the learned table's patch grid bicubically (the class token's row
+    kept), as transformers' ViT does; at the trained size it changes nothing."""
+    model = LinearViTForImageClassification(
+        vit_config(positional_encoding="none", absolute_position_embedding="learned")
+    ).eval()
+    same = images(size=32)
+    torch.testing.assert_close(model(same, interpolate_pos_encoding=True).logits, model(same).logits)
+    embeddings = model.model.embeddings
+    table = embeddings.position_embedding.tables[0].weight.detach()  # (1 + 4 * 4, hidden)
+    grid = table[1:].T.reshape(1, -1, 4, 4)
+    expected = F.interpolate(grid, size=(6, 5), mode="bicubic", align_corners=False).reshape(-1, 30).T
+    resized = embeddings.learned_table(6, 5, interpolate=True)[0].detach()
+    torch.testing.assert_close(resized, torch.cat([table[:1], expected]))
+    assert model(images(size=48)[..., :40], interpolate_pos_encoding=True).logits.shape == (2, 3)
 
 
 def sinusoids(positions, dim):

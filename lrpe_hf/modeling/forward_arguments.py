@@ -26,16 +26,15 @@ LOSS_ARGUMENTS = frozenset({"num_items_in_batch", "shift_labels", "ignore_index"
 # Passed by transformers and meaningless here, each for its reason:
 # - cache_position: the slots of the new tokens in a key-value cache; a recurrent state has no slots, and the
 #   cache counts every row's real tokens itself.
-# - output_attentions (False): linear attention forms no attention matrix; True raises below.
-NEUTRAL_ARGUMENTS = frozenset({"cache_position", "output_attentions"})
+# - tokenizer: generate's own (it decodes stop strings), which generate hands on to the model with its inputs.
+NEUTRAL_ARGUMENTS = frozenset({"cache_position", "tokenizer"})
 
 
-def take_cache(past_key_values, kwargs: dict):
-    """The generation cache under whichever name it came (``cache``, ``past_key_values`` or ``cache_params``),
-    removed from ``kwargs``. Two names given at once raise."""
-    given = {name: kwargs.pop(name) for name in CACHE_ARGUMENTS if name in kwargs}
-    if past_key_values is not None:
-        given["past_key_values"] = past_key_values
+def take_cache(kwargs: dict, **named):
+    """The generation cache under whichever name it came: ``named`` holds the forward's own cache arguments
+    (``past_key_values``, ``cache``), ``kwargs`` may hold the others (``cache_params``), which are removed from it.
+    Two names given at once raise."""
+    given = {name: kwargs.pop(name) for name in CACHE_ARGUMENTS if name in kwargs} | named
     given = {name: value for name, value in given.items() if value is not None}
     if len(given) > 1:
         raise ValueError(f"Pass the cache once: got {' and '.join(sorted(given))}")
@@ -44,12 +43,7 @@ def take_cache(past_key_values, kwargs: dict):
 
 def check_extra_arguments(model, kwargs: dict, accepted=frozenset()):
     """Raise on any keyword argument of ``model.forward`` that is neither named in its signature, nor in
-    ``accepted`` (the ones its loss uses), nor neutral; and on ``output_attentions=True``."""
-    if kwargs.get("output_attentions"):
-        raise ValueError(
-            f"{type(model).__name__} cannot return attention weights (output_attentions=True): linear attention "
-            "never forms the tokens x tokens matrix"
-        )
+    ``accepted`` (the ones its loss uses), nor neutral."""
     unknown = sorted(set(kwargs) - NEUTRAL_ARGUMENTS - accepted)
     if unknown:
         raise TypeError(

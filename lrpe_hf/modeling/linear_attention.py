@@ -48,7 +48,8 @@ class LinearAttention(nn.Module):
         bias: use biases in the q/k/v/output projections.
 
     forward(hidden_states (B, N, hidden_size), attention_mask (B, N) = None, position_ids (B, N) or (B, N, 2)
-    = None, state = None, shared_draw = None) -> (B, N, hidden_size)
+    = None, state = None, shared_draw = None, documents = None, softmax_implementation = "sdpa")
+    -> (B, N, hidden_size). ``softmax_implementation`` ("sdpa" or "eager") is the softmax path's kernel.
     """
 
     def __init__(
@@ -113,11 +114,20 @@ class LinearAttention(nn.Module):
         return x.view(B, N, self.num_heads, self.head_dim).transpose(1, 2)
 
     def forward(
-        self, hidden_states, attention_mask=None, position_ids=None, state=None, shared_draw=None, documents=None
+        self,
+        hidden_states,
+        attention_mask=None,
+        position_ids=None,
+        state=None,
+        shared_draw=None,
+        documents=None,
+        softmax_implementation="sdpa",
     ):
         """``documents``: ``find_documents(...)`` of these inputs when the caller has it (a model computes it
         once for all its layers)."""
-        out = self.attend(hidden_states, attention_mask, position_ids, state, shared_draw, documents)
+        out = self.attend(
+            hidden_states, attention_mask, position_ids, state, shared_draw, documents, None, softmax_implementation
+        )
         B, N = hidden_states.shape[:2]
         return self.o_proj(out.transpose(1, 2).reshape(B, N, self.hidden_size))
 
@@ -140,6 +150,7 @@ class LinearAttention(nn.Module):
         shared_draw=None,
         documents=None,
         values=None,
+        softmax_implementation="sdpa",
     ):
         """The heads' outputs before the output projection, (B, H, N, d): ``forward`` without ``o_proj``.
         ``values`` (B, H, N, d') replace the projected values (``attention_weights``)."""
@@ -173,7 +184,12 @@ class LinearAttention(nn.Module):
             state.path = state.path if state.path is not None else self.attention.State()
             path_state = state.path
         steps = position_steps(positions, mask, state) if encoding.log_decay is not None else None
-        out = self.attention(q, k, v, mask, positions, encoding, path_state, steps, starts, documents, reuse_inputs)
+        path_options = (
+            {"implementation": softmax_implementation} if isinstance(self.attention, SoftmaxAttention) else {}
+        )
+        out = self.attention(
+            q, k, v, mask, positions, encoding, path_state, steps, starts, documents, reuse_inputs, **path_options
+        )
         if encoding.has_value_bias:
             keys = (v, positions, documents)
             if state is not None:

@@ -17,9 +17,16 @@ from transformers.utils import can_return_tuple
 from .cache import LinearAttentionCache
 from .configuration_linear_gpt import LinearGPTConfig
 from .forward_arguments import CACHE_ARGUMENTS, CACHE_OUTPUT_FIELD, LOSS_ARGUMENTS, check_extra_arguments, take_cache
+from .label_checks import check_sequence_labels, check_token_labels
 from .lm_loss import causal_lm_loss
 from .positional_absolute import build_absolute_position_embedding
-from .positions import check_mask_against_cache, default_position_ids, mask_as_bool
+from .positions import (
+    check_given_positions,
+    check_mask_against_cache,
+    default_position_ids,
+    last_real_tokens,
+    mask_as_bool,
+)
 from .transformer_layer import Dropout
 from .transformer_stack import LinearPreTrainedModel, LinearTransformerStack, check_single_segment
 
@@ -64,16 +71,21 @@ class LinearGPTModel(LinearGPTPreTrainedModel):
         token_type_ids=None,
         position_ids=None,
         past_key_values=None,
+        cache=None,
         inputs_embeds=None,
         use_cache=None,
+        output_attentions=None,
         output_hidden_states=None,
         **kwargs,
     ) -> BaseModelOutputWithPast:
         """input_ids (B, N); attention_mask (B, past + N) or (B, N), 1 for tokens, 0 for padding. The cache comes
-        as ``past_key_values`` or, from transformers 5.24 on, ``cache``."""
-        past_key_values = take_cache(past_key_values, kwargs)
+        as ``past_key_values`` or, from transformers 5.24 on, ``cache``. ``output_attentions``: every layer's
+        attention weights (B, H, N, N), computed by probing the layer (O(N^2), for analysis), in a call that
+        starts from an empty cache."""
+        past_key_values = take_cache(kwargs, past_key_values=past_key_values, cache=cache)
         check_extra_arguments(self, kwargs)
         check_single_segment(token_type_ids)
+        check_given_positions(position_ids)
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of input_ids and inputs_embeds")
         hidden_states = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
@@ -84,6 +96,7 @@ class LinearGPTModel(LinearGPTPreTrainedModel):
         output_hidden_states = (
             output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
         )
+        output_attentions = output_attentions if output_attentions is not None else self.config.output_attentions
         if past_key_values is not None and not isinstance(past_key_values, LinearAttentionCache):
             raise ValueError(
                 f"LinearGPT keeps recurrent states in a LinearAttentionCache, got "
@@ -92,6 +105,11 @@ class LinearGPTModel(LinearGPTPreTrainedModel):
         if use_cache and past_key_values is None:
             past_key_values = LinearAttentionCache(self.config.num_hidden_layers)
         cache = past_key_values if use_cache else None
+        if output_attentions and cache is not None and cache.seen_tokens:
+            raise ValueError(
+                "output_attentions=True weighs every key for every query, and a recurrent cache keeps no past tokens "
+                "to weigh: call the model on the whole sequence (use_cache=False or a new cache)"
+            )
         # Compiled, a step reads no Python count (the graph would be specialised on it, one per token): a mask's past
         # is checked against the first layer's per-row counters instead, from which default positions continue.
         if cache is None:
@@ -109,8 +127,8 @@ class LinearGPTModel(LinearGPTPreTrainedModel):
         if self.position_embedding is not None:
             hidden_states = hidden_states + self.position_embedding(position_ids).to(hidden_states.dtype)
         hidden_states = self.dropout(hidden_states)
-        hidden_states, all_hidden_states = self.stack(
-            hidden_states, mask, position_ids, cache, output_hidden_states, given_positions
+        hidden_states, all_hidden_states, all_attentions = self.stack(
+            hidden_states, mask, position_ids, cache, output_hidden_states, given_positions, output_attentions
         )
         hidden_states = self.norm(hidden_states)
         if cache is not None:
@@ -118,7 +136,10 @@ class LinearGPTModel(LinearGPTPreTrainedModel):
         if output_hidden_states:
             all_hidden_states = tuple(all_hidden_states) + (hidden_states,)
         return BaseModelOutputWithPast(
-            last_hidden_state=hidden_states, hidden_states=all_hidden_states, **{CACHE_OUTPUT_FIELD: cache}
+            last_hidden_state=hidden_states,
+            hidden_states=all_hidden_states,
+            attentions=tuple(all_attentions) if output_attentions else None,
+            **{CACHE_OUTPUT_FIELD: cache},
         )
 
 
@@ -168,15 +189,17 @@ class LinearGPTForCausalLM(LinearGPTPreTrainedModel, GenerationMixin):
         token_type_ids=None,
         position_ids=None,
         past_key_values=None,
+        cache=None,
         inputs_embeds=None,
         labels=None,
         use_cache=None,
+        output_attentions=None,
         output_hidden_states=None,
         logits_to_keep=0,
         **kwargs,
     ) -> CausalLMOutputWithPast:
         """labels (B, N): the input ids (shifted inside the loss); -100 is ignored."""
-        past_key_values = take_cache(past_key_values, kwargs)
+        past_key_values = take_cache(kwargs, past_key_values=past_key_values, cache=cache)
         check_extra_arguments(self, kwargs, accepted=LOSS_ARGUMENTS)
         outputs = self.model(
             input_ids=input_ids,
@@ -186,8 +209,10 @@ class LinearGPTForCausalLM(LinearGPTPreTrainedModel, GenerationMixin):
             past_key_values=past_key_values,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
+            output_attentions=output_attentions,
             output_hidden_states=output_hidden_states,
         )
+        check_token_labels(labels, *outputs.last_hidden_state.shape[:2], type(self).__name__)
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         hidden = outputs.last_hidden_state[:, keep]
         logits = self.lm_head(hidden)
@@ -208,6 +233,7 @@ class LinearGPTForCausalLM(LinearGPTPreTrainedModel, GenerationMixin):
             loss=loss,
             logits=logits,
             hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
             **{CACHE_OUTPUT_FIELD: getattr(outputs, CACHE_OUTPUT_FIELD)},
         )
 
@@ -231,6 +257,7 @@ class LinearGPTForSequenceClassification(LinearGPTPreTrainedModel):
         position_ids=None,
         inputs_embeds=None,
         labels=None,
+        output_attentions=None,
         output_hidden_states=None,
         **kwargs,
     ) -> SequenceClassifierOutputWithPast:
@@ -242,19 +269,28 @@ class LinearGPTForSequenceClassification(LinearGPTPreTrainedModel):
             position_ids=position_ids,
             inputs_embeds=inputs_embeds,
             use_cache=False,
+            output_attentions=output_attentions,
             output_hidden_states=output_hidden_states,
         )
         logits = self.score(outputs.last_hidden_state)
         batch_size, num_tokens = logits.shape[:2]
-        positions = torch.arange(num_tokens, device=logits.device)
-        if attention_mask is not None:
-            last = (attention_mask.bool() * positions).argmax(-1)
-        elif input_ids is not None and self.config.pad_token_id is not None:
-            last = ((input_ids != self.config.pad_token_id) * positions).argmax(-1)
-        else:
-            last = torch.full((batch_size,), num_tokens - 1, device=logits.device)
+        check_sequence_labels(labels, batch_size, type(self).__name__)
+        last = last_real_tokens(
+            attention_mask, input_ids, self.config.pad_token_id, batch_size, num_tokens, logits.device
+        )
         pooled_logits = logits[torch.arange(batch_size, device=logits.device), last]
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, pooled_logits=pooled_logits, config=self.config)
-        return SequenceClassifierOutputWithPast(loss=loss, logits=pooled_logits, hidden_states=outputs.hidden_states)
+        return SequenceClassifierOutputWithPast(
+            loss=loss, logits=pooled_logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
+        )
+
+
+# Each model's Auto class: registered on ``import lrpe_hf``, and listed in every saved checkpoint's auto_map, so that a
+# checkpoint of any head loads as any other where lrpe_hf is not installed.
+LinearGPTPreTrainedModel.auto_classes = {
+    "AutoModel": LinearGPTModel,
+    "AutoModelForCausalLM": LinearGPTForCausalLM,
+    "AutoModelForSequenceClassification": LinearGPTForSequenceClassification,
+}

@@ -1,6 +1,6 @@
 """LinearRoberta: a post-norm bidirectional encoder with linear attention, and its task heads.
 
-Heads: masked language modelling (tied decoder), sequence classification from the first token (single-label,
+Heads: masked language modelling (tied decoder), sequence classification from the first real token (single-label,
 multi-label or regression through ``problem_type``, as in Transformers), token classification and extractive
 question answering.
 """
@@ -19,8 +19,9 @@ from transformers.utils import can_return_tuple
 
 from .configuration_linear_roberta import LinearRobertaConfig
 from .forward_arguments import LOSS_ARGUMENTS, check_extra_arguments
+from .label_checks import check_sequence_labels, check_token_labels
 from .positional_absolute import build_absolute_position_embedding
-from .positions import default_position_ids, mask_as_bool
+from .positions import check_given_positions, default_position_ids, first_real_tokens, mask_as_bool
 from .transformer_layer import Dropout
 from .transformer_stack import LinearPreTrainedModel, LinearTransformerStack, check_single_segment
 
@@ -60,12 +61,16 @@ class LinearRobertaModel(LinearRobertaPreTrainedModel):
         token_type_ids=None,
         position_ids=None,
         inputs_embeds=None,
+        output_attentions=None,
         output_hidden_states=None,
         **kwargs,
     ) -> BaseModelOutput:
-        """input_ids (B, N); attention_mask (B, N), 1 for tokens, 0 for padding. Positions count real tokens."""
+        """input_ids (B, N); attention_mask (B, N), 1 for tokens, 0 for padding. Positions count real tokens.
+        ``output_attentions``: every layer's attention weights (B, H, N, N), computed by probing the layer (O(N^2),
+        for analysis)."""
         check_extra_arguments(self, kwargs)
         check_single_segment(token_type_ids)
+        check_given_positions(position_ids)
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of input_ids and inputs_embeds")
         hidden_states = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
@@ -75,6 +80,7 @@ class LinearRobertaModel(LinearRobertaPreTrainedModel):
         output_hidden_states = (
             output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
         )
+        output_attentions = output_attentions if output_attentions is not None else self.config.output_attentions
         mask = mask_as_bool(attention_mask, batch_size, num_tokens)
         given_positions = position_ids is not None
         if position_ids is None:
@@ -82,12 +88,16 @@ class LinearRobertaModel(LinearRobertaPreTrainedModel):
         if self.position_embedding is not None:
             hidden_states = hidden_states + self.position_embedding(position_ids).to(hidden_states.dtype)
         hidden_states = self.dropout(self.embedding_norm(hidden_states))
-        hidden_states, all_hidden_states = self.stack(
-            hidden_states, mask, position_ids, None, output_hidden_states, given_positions
+        hidden_states, all_hidden_states, all_attentions = self.stack(
+            hidden_states, mask, position_ids, None, output_hidden_states, given_positions, output_attentions
         )
         if output_hidden_states:
             all_hidden_states = tuple(all_hidden_states) + (hidden_states,)
-        return BaseModelOutput(last_hidden_state=hidden_states, hidden_states=all_hidden_states)
+        return BaseModelOutput(
+            last_hidden_state=hidden_states,
+            hidden_states=all_hidden_states,
+            attentions=tuple(all_attentions) if output_attentions else None,
+        )
 
 
 class LinearRobertaForMaskedLM(LinearRobertaPreTrainedModel):
@@ -115,6 +125,7 @@ class LinearRobertaForMaskedLM(LinearRobertaPreTrainedModel):
         position_ids=None,
         inputs_embeds=None,
         labels=None,
+        output_attentions=None,
         output_hidden_states=None,
         **kwargs,
     ) -> MaskedLMOutput:
@@ -126,13 +137,17 @@ class LinearRobertaForMaskedLM(LinearRobertaPreTrainedModel):
             token_type_ids=token_type_ids,
             position_ids=position_ids,
             inputs_embeds=inputs_embeds,
+            output_attentions=output_attentions,
             output_hidden_states=output_hidden_states,
         )
+        check_token_labels(labels, *outputs.last_hidden_state.shape[:2], type(self).__name__)
         logits = self.lm_head(outputs.last_hidden_state)
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-        return MaskedLMOutput(loss=loss, logits=logits, hidden_states=outputs.hidden_states)
+        return MaskedLMOutput(
+            loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
+        )
 
 
 class LinearRobertaLMHead(nn.Module):
@@ -150,7 +165,7 @@ class LinearRobertaLMHead(nn.Module):
 
 
 class LinearRobertaClassificationHead(nn.Module):
-    """RoBERTa's sentence head on the first token: dropout, dense, tanh, dropout, out_proj.
+    """RoBERTa's sentence head on the first real token: dropout, dense, tanh, dropout, out_proj.
     (B, hidden) -> (B, num_labels)."""
 
     def __init__(self, config: LinearRobertaConfig):
@@ -165,7 +180,8 @@ class LinearRobertaClassificationHead(nn.Module):
 
 
 class LinearRobertaForSequenceClassification(LinearRobertaPreTrainedModel):
-    """A RoBERTa-style head (dense, tanh, projection) on the first token."""
+    """A RoBERTa-style head (dense, tanh, projection) on the first real token (``<s>``), wherever padding stands:
+    left-padded batches classify as right-padded ones."""
 
     def __init__(self, config: LinearRobertaConfig):
         super().__init__(config)
@@ -183,6 +199,7 @@ class LinearRobertaForSequenceClassification(LinearRobertaPreTrainedModel):
         position_ids=None,
         inputs_embeds=None,
         labels=None,
+        output_attentions=None,
         output_hidden_states=None,
         **kwargs,
     ) -> SequenceClassifierOutput:
@@ -194,13 +211,20 @@ class LinearRobertaForSequenceClassification(LinearRobertaPreTrainedModel):
             token_type_ids=token_type_ids,
             position_ids=position_ids,
             inputs_embeds=inputs_embeds,
+            output_attentions=output_attentions,
             output_hidden_states=output_hidden_states,
         )
-        logits = self.classifier(outputs.last_hidden_state[:, 0])
+        hidden_states = outputs.last_hidden_state
+        batch_size, num_tokens = hidden_states.shape[:2]
+        check_sequence_labels(labels, batch_size, type(self).__name__)
+        first = first_real_tokens(attention_mask, batch_size, num_tokens, hidden_states.device)
+        logits = self.classifier(hidden_states[torch.arange(batch_size, device=hidden_states.device), first])
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, pooled_logits=logits, config=self.config)
-        return SequenceClassifierOutput(loss=loss, logits=logits, hidden_states=outputs.hidden_states)
+        return SequenceClassifierOutput(
+            loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
+        )
 
 
 class LinearRobertaForTokenClassification(LinearRobertaPreTrainedModel):
@@ -222,6 +246,7 @@ class LinearRobertaForTokenClassification(LinearRobertaPreTrainedModel):
         position_ids=None,
         inputs_embeds=None,
         labels=None,
+        output_attentions=None,
         output_hidden_states=None,
         **kwargs,
     ) -> TokenClassifierOutput:
@@ -233,13 +258,17 @@ class LinearRobertaForTokenClassification(LinearRobertaPreTrainedModel):
             token_type_ids=token_type_ids,
             position_ids=position_ids,
             inputs_embeds=inputs_embeds,
+            output_attentions=output_attentions,
             output_hidden_states=output_hidden_states,
         )
+        check_token_labels(labels, *outputs.last_hidden_state.shape[:2], type(self).__name__, what="class ids")
         logits = self.classifier(self.dropout(outputs.last_hidden_state))
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, config=self.config)
-        return TokenClassifierOutput(loss=loss, logits=logits, hidden_states=outputs.hidden_states)
+        return TokenClassifierOutput(
+            loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
+        )
 
 
 class LinearRobertaForQuestionAnswering(LinearRobertaPreTrainedModel):
@@ -259,6 +288,7 @@ class LinearRobertaForQuestionAnswering(LinearRobertaPreTrainedModel):
         inputs_embeds=None,
         start_positions=None,
         end_positions=None,
+        output_attentions=None,
         output_hidden_states=None,
         **kwargs,
     ) -> QuestionAnsweringModelOutput:
@@ -270,6 +300,7 @@ class LinearRobertaForQuestionAnswering(LinearRobertaPreTrainedModel):
             token_type_ids=token_type_ids,
             position_ids=position_ids,
             inputs_embeds=inputs_embeds,
+            output_attentions=output_attentions,
             output_hidden_states=output_hidden_states,
         )
         start_logits, end_logits = self.qa_outputs(outputs.last_hidden_state).unbind(-1)
@@ -277,5 +308,20 @@ class LinearRobertaForQuestionAnswering(LinearRobertaPreTrainedModel):
         if start_positions is not None and end_positions is not None:
             loss = self.loss_function(start_logits, end_logits, start_positions, end_positions)
         return QuestionAnsweringModelOutput(
-            loss=loss, start_logits=start_logits, end_logits=end_logits, hidden_states=outputs.hidden_states
+            loss=loss,
+            start_logits=start_logits,
+            end_logits=end_logits,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
         )
+
+
+# Each model's Auto class: registered on ``import lrpe_hf``, and listed in every saved checkpoint's auto_map, so that a
+# checkpoint of any head loads as any other where lrpe_hf is not installed.
+LinearRobertaPreTrainedModel.auto_classes = {
+    "AutoModel": LinearRobertaModel,
+    "AutoModelForMaskedLM": LinearRobertaForMaskedLM,
+    "AutoModelForSequenceClassification": LinearRobertaForSequenceClassification,
+    "AutoModelForTokenClassification": LinearRobertaForTokenClassification,
+    "AutoModelForQuestionAnswering": LinearRobertaForQuestionAnswering,
+}

@@ -6,12 +6,14 @@ the class token sits at (-1, -1) and is pooled for classification.
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 from transformers import initialization as init
 from transformers.modeling_outputs import BaseModelOutputWithPooling, ImageClassifierOutput
 from transformers.utils import can_return_tuple
 
 from .configuration_linear_vit import LinearViTConfig
 from .forward_arguments import check_extra_arguments
+from .label_checks import check_sequence_labels
 from .positional_absolute import LearnedPositionEmbedding, SinusoidalPositionEmbedding
 from .transformer_layer import Dropout
 from .transformer_stack import LinearPreTrainedModel, LinearTransformerStack
@@ -40,7 +42,8 @@ class LinearViTEmbeddings(nn.Module):
     """Patch projection, class token and the optional absolute embedding. Returns embeddings and positions.
 
     ``absolute_position_embedding="learned"`` is ViT's table: one row per token of an ``image_size`` image (the
-    class token, then the patches row by row); ``sinusoidal`` encodes (row, col), half of the width each.
+    class token, then the patches row by row); for images of another size, ``interpolate_pos_encoding=True``
+    resizes its patch grid bicubically, as ViT does. ``sinusoidal`` encodes (row, col), half of the width each.
     """
 
     def __init__(self, config: LinearViTConfig):
@@ -60,7 +63,7 @@ class LinearViTEmbeddings(nn.Module):
             self.position_embedding = LearnedPositionEmbedding(config.hidden_size, 1 + config.grid_size**2)
         self.dropout = Dropout(config.hidden_dropout_prob)
 
-    def forward(self, pixel_values):
+    def forward(self, pixel_values, interpolate_pos_encoding=False):
         """pixel_values (B, C, H, W) -> embeddings (B, 1 + P, hidden), positions (B, 1 + P, 2)."""
         if pixel_values.dim() != 4 or pixel_values.shape[1] != self.config.num_channels:
             raise ValueError(
@@ -71,21 +74,49 @@ class LinearViTEmbeddings(nn.Module):
         p = self.config.patch_size
         if height % p or width % p:
             raise ValueError(f"image height and width must be multiples of patch_size={p}, got {height}x{width}")
+        self.check_bias_table_covers(height, width)
         patches = self.patch_projection(pixel_values.to(self.patch_projection.weight.dtype)).flatten(2).transpose(1, 2)
         batch_size = patches.shape[0]
         embeddings = torch.cat([self.cls_token.expand(batch_size, -1, -1), patches], dim=1)
         positions = patch_positions(height // p, width // p, embeddings.device)[None].expand(batch_size, -1, -1)
         if isinstance(self.position_embedding, LearnedPositionEmbedding):
-            if (height, width) != (self.config.image_size,) * 2:
-                raise ValueError(
-                    f"learned absolute position embeddings cover {self.config.image_size}x{self.config.image_size} "
-                    f"images; got {height}x{width}. Resize the images or use a relative positional encoding"
-                )
-            token_index = torch.arange(embeddings.shape[1], device=embeddings.device)[None]
-            embeddings = embeddings + self.position_embedding(token_index).to(embeddings.dtype)
+            table = self.learned_table(height // p, width // p, interpolate_pos_encoding)
+            embeddings = embeddings + table.to(embeddings.dtype)
         elif self.position_embedding is not None:
             embeddings = embeddings + self.position_embedding(positions).to(embeddings.dtype)
         return self.dropout(embeddings), positions
+
+    def learned_table(self, rows: int, cols: int, interpolate: bool) -> torch.Tensor:
+        """(1, 1 + rows * cols, hidden) ViT's learned table for a rows x cols patch grid: as trained, or, with
+        ``interpolate``, its grid resized bicubically (the class token's row unchanged)."""
+        size = self.config.image_size
+        table = self.position_embedding.tables[0].weight[None]  # (1, 1 + G * G, hidden)
+        grid = self.config.grid_size
+        if (rows, cols) == (grid, grid):
+            return table
+        if not interpolate:
+            p = self.config.patch_size
+            raise ValueError(
+                f"learned absolute position embeddings cover {size}x{size} images; got {rows * p}x{cols * p}. Pass "
+                "interpolate_pos_encoding=True to resize the table (as ViT does), resize the images, or use a "
+                "relative positional encoding, which needs neither"
+            )
+        patches = table[:, 1:].reshape(1, grid, grid, -1).permute(0, 3, 1, 2)
+        resized = F.interpolate(patches.float(), size=(rows, cols), mode="bicubic", align_corners=False)
+        resized = resized.to(table.dtype).permute(0, 2, 3, 1).reshape(1, rows * cols, -1)
+        return torch.cat([table[:, :1], resized], dim=1)
+
+    def check_bias_table_covers(self, height: int, width: int):
+        """FastRPB learns one bias per patch distance, up to those of an ``image_size`` image."""
+        if self.config.positional_encoding != "fastrpb":
+            return
+        size, p = self.config.image_size, self.config.patch_size
+        if max(height, width) > size:
+            raise ValueError(
+                f"fastrpb learns one bias per distance between patches, up to those of {size}x{size} images "
+                f"(image_size={size}); got {height}x{width}. Resize the images to at most {size} pixels a side, or "
+                f"build the model with image_size >= {max(height, width)} (a multiple of patch_size={p})"
+            )
 
 
 class LinearViTModel(LinearViTPreTrainedModel):
@@ -100,20 +131,36 @@ class LinearViTModel(LinearViTPreTrainedModel):
         return self.embeddings.patch_projection
 
     @can_return_tuple
-    def forward(self, pixel_values=None, output_hidden_states=None, **kwargs) -> BaseModelOutputWithPooling:
+    def forward(
+        self,
+        pixel_values=None,
+        output_attentions=None,
+        output_hidden_states=None,
+        interpolate_pos_encoding=None,
+        **kwargs,
+    ) -> BaseModelOutputWithPooling:
+        """pixel_values (B, C, H, W), H and W multiples of patch_size; ``interpolate_pos_encoding``: resize a learned
+        absolute table to the image's patch grid (relative encodings need nothing: they read the grid's positions);
+        ``output_attentions``: every layer's attention weights (B, H, 1 + P, 1 + P), probed (O(P^2))."""
         check_extra_arguments(self, kwargs)
         if pixel_values is None:
             raise ValueError("pixel_values is required")
         output_hidden_states = (
             output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
         )
-        hidden_states, positions = self.embeddings(pixel_values)
-        hidden_states, all_hidden_states = self.stack(hidden_states, None, positions, None, output_hidden_states)
+        output_attentions = output_attentions if output_attentions is not None else self.config.output_attentions
+        hidden_states, positions = self.embeddings(pixel_values, bool(interpolate_pos_encoding))
+        hidden_states, all_hidden_states, all_attentions = self.stack(
+            hidden_states, None, positions, None, output_hidden_states, output_attentions=output_attentions
+        )
         hidden_states = self.norm(hidden_states)
         if output_hidden_states:
             all_hidden_states = tuple(all_hidden_states) + (hidden_states,)
         return BaseModelOutputWithPooling(
-            last_hidden_state=hidden_states, pooler_output=hidden_states[:, 0], hidden_states=all_hidden_states
+            last_hidden_state=hidden_states,
+            pooler_output=hidden_states[:, 0],
+            hidden_states=all_hidden_states,
+            attentions=tuple(all_attentions) if output_attentions else None,
         )
 
 
@@ -126,11 +173,36 @@ class LinearViTForImageClassification(LinearViTPreTrainedModel):
         self.post_init()
 
     @can_return_tuple
-    def forward(self, pixel_values=None, labels=None, output_hidden_states=None, **kwargs) -> ImageClassifierOutput:
+    def forward(
+        self,
+        pixel_values=None,
+        labels=None,
+        output_attentions=None,
+        output_hidden_states=None,
+        interpolate_pos_encoding=None,
+        **kwargs,
+    ) -> ImageClassifierOutput:
+        """labels (B,) class ids (or (B, num_labels) multi-hot floats); the rest as ``LinearViTModel``."""
         check_extra_arguments(self, kwargs)
-        outputs = self.model(pixel_values=pixel_values, output_hidden_states=output_hidden_states)
+        outputs = self.model(
+            pixel_values=pixel_values,
+            output_attentions=output_attentions,
+            output_hidden_states=output_hidden_states,
+            interpolate_pos_encoding=interpolate_pos_encoding,
+        )
         logits = self.classifier(outputs.pooler_output)
+        check_sequence_labels(labels, logits.shape[0], type(self).__name__)
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, pooled_logits=logits, config=self.config)
-        return ImageClassifierOutput(loss=loss, logits=logits, hidden_states=outputs.hidden_states)
+        return ImageClassifierOutput(
+            loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
+        )
+
+
+# Each model's Auto class: registered on ``import lrpe_hf``, and listed in every saved checkpoint's auto_map, so that a
+# checkpoint of any head loads as any other where lrpe_hf is not installed.
+LinearViTPreTrainedModel.auto_classes = {
+    "AutoModel": LinearViTModel,
+    "AutoModelForImageClassification": LinearViTForImageClassification,
+}

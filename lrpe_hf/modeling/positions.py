@@ -4,13 +4,29 @@ import torch
 from torch.nn import functional as F
 
 
+def check_values(condition: torch.Tensor, message: str):
+    """Raise ``ValueError(message)`` unless the bool tensor ``condition`` holds everywhere. Compiled or on a GPU, the
+    check runs on the device (``torch._assert_async``: a RuntimeError on a CPU, a device-side assert on a GPU)
+    without reading a value back, which would break the graph or wait for the device."""
+    if torch.compiler.is_compiling() or condition.is_cuda:
+        torch._assert_async(condition.all(), message)
+    elif not bool(condition.all()):
+        raise ValueError(message)
+
+
 def mask_as_bool(attention_mask, batch_size: int, num_tokens: int, past: int | None = 0) -> torch.Tensor | None:
     """A (B, N) bool mask (True = token, False = padding) from ``attention_mask`` of shape (B, N) or, while
-    decoding with ``past`` cached tokens, (B, past + N); None stays None. ``past=None``: a cached count not known
-    here (a compiled decoding step), so any length from N up is accepted (``check_mask_against_cache`` checks its
-    past then)."""
+    decoding with ``past`` cached tokens, (B, past + N), holding 1 (or True) for tokens and 0 for padding; None
+    stays None. ``past=None``: a cached count not known here (a compiled decoding step), so any length from N up
+    is accepted (``check_mask_against_cache`` checks its past then)."""
     if attention_mask is None:
         return None
+    if attention_mask.dtype != torch.bool:
+        check_values(
+            (attention_mask == 0) | (attention_mask == 1),
+            "attention_mask must hold 1 for tokens and 0 for padding; it holds other values. Soft (fractional) and "
+            "additive (0 / -inf) masks are not supported",
+        )
     length = attention_mask.shape[-1]
     if past is None:
         fits, expected = length >= num_tokens, f"({batch_size}, {num_tokens} or more)"
@@ -52,6 +68,30 @@ def default_position_ids(attention_mask, batch_size: int, num_tokens: int, devic
     if attention_mask.shape[1] == num_tokens:
         positions = positions + torch.as_tensor(past, device=device).reshape(-1, 1)
     return positions[:, -num_tokens:]
+
+
+def check_given_positions(position_ids):
+    """A model's ``position_ids`` (B or 1, N) count tokens from 0: negative ones are refused."""
+    if position_ids is not None:
+        check_values(torch.as_tensor(position_ids) >= 0, "position_ids must be 0 or more (positions count from 0)")
+
+
+def first_real_tokens(attention_mask, batch_size: int, num_tokens: int, device) -> torch.Tensor:
+    """(B,) the index of each row's first real token, wherever padding stands (0 without a mask)."""
+    if attention_mask is None:
+        return torch.zeros(batch_size, dtype=torch.long, device=device)
+    return attention_mask[:, -num_tokens:].bool().long().argmax(-1)
+
+
+def last_real_tokens(attention_mask, input_ids, pad_token_id, batch_size: int, num_tokens: int, device):
+    """(B,) the index of each row's last real token: the last position of ``attention_mask``, else the last token
+    that is not ``pad_token_id`` (transformers' convention), else the last token."""
+    positions = torch.arange(num_tokens, device=device)
+    if attention_mask is not None:
+        return (attention_mask[:, -num_tokens:].bool() * positions).argmax(-1)
+    if input_ids is not None and pad_token_id is not None:
+        return ((input_ids != pad_token_id) * positions).argmax(-1)
+    return torch.full((batch_size,), num_tokens - 1, device=device)
 
 
 def check_position_ids(position_ids, batch_size: int, num_tokens: int, position_dims: int, device) -> torch.Tensor:

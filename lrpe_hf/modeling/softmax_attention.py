@@ -5,6 +5,9 @@ The encoding transforms the raw queries and keys; the temperature is 1 / sqrt(wi
 transform), so an encoding that reduces to the identity gives plain softmax attention (LRPE Type 1's real form
 doubles the width without changing q . k). PermuteFormer's decay becomes the additive log bias
 log_decay (p_s - p_t) for p_s >= p_t.
+
+Two implementations, transformers' ``attn_implementation``: ``"sdpa"`` (the default: PyTorch's fused kernels) and
+``"eager"`` (the same maths in plain PyTorch ops: scores, softmax in float32, weighted sum).
 """
 
 import math
@@ -27,6 +30,23 @@ class SoftmaxAttentionState(TensorState):
     key_mask: torch.Tensor | None = None
     key_positions: torch.Tensor | None = None
     key_documents: torch.Tensor | None = None
+
+
+IMPLEMENTATIONS = ("sdpa", "eager")
+
+
+def scaled_dot_product(q, k, v, scale: float, bias=None, is_causal=False, implementation="sdpa"):
+    """softmax(q k^T scale + bias) v, causal (N = T) or not. q (B, H, N, D'), k (B, H, T, D'), v (B, H, T, d); bias
+    (B, 1 or H, N, T) additive (-inf where a key is not allowed) or None."""
+    if implementation == "sdpa":
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, is_causal=is_causal, scale=scale)
+    scores = (q @ k.transpose(-1, -2)).float() * scale
+    if is_causal:
+        N, T = scores.shape[-2:]
+        scores = scores.masked_fill(torch.ones(N, T, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    if bias is not None:
+        scores = scores + bias
+    return scores.softmax(-1).to(v.dtype) @ v
 
 
 class SoftmaxAttention(nn.Module):
@@ -52,10 +72,11 @@ class SoftmaxAttention(nn.Module):
         starts=None,
         documents=None,
         reuse_inputs=False,
+        implementation="sdpa",
     ):
         """documents (B, N): the document of each token of a packed row, counted across calls (always given with
-        a state), or None for one document; position_steps, starts and reuse_inputs are unused (see
-        ``KernelAttention``)."""
+        a state), or None for one document; ``implementation``: "sdpa" or "eager"; position_steps, starts and
+        reuse_inputs are unused (see ``KernelAttention``)."""
         q, k = encoding.encode_features(q, k, positions)
         B, H, N, _ = q.shape
         key_mask = mask if mask is not None else torch.ones(B, N, dtype=torch.bool, device=q.device)
@@ -73,7 +94,7 @@ class SoftmaxAttention(nn.Module):
         if log_decay is not None and not self.causal:
             raise ValueError(f"{type(encoding).__name__} decays with distance: it is for causal attention only")
         if mask is None and state is None and log_decay is None and documents is None:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, scale=self.scale)
+            return scaled_dot_product(q, k, v, self.scale, is_causal=self.causal, implementation=implementation)
         T = k.shape[2]
         allowed = key_mask[:, None, None, :].expand(B, 1, N, T)
         if self.causal:
@@ -86,4 +107,4 @@ class SoftmaxAttention(nn.Module):
         if log_decay is not None:
             distance = (positions[:, :, 0, None] - key_positions[:, None, :, 0]).clamp_min(0)  # (B, N, T)
             bias = bias + log_decay.to(q.dtype)[None, :, None, None] * distance[:, None].to(q.dtype)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=self.scale)
+        return scaled_dot_product(q, k, v, self.scale, bias, implementation=implementation)

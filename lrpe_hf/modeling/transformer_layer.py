@@ -72,6 +72,7 @@ class MLP(nn.Module):
 class LinearTransformerLayer(GradientCheckpointingLayer):
     def __init__(self, config, options, pre_norm: bool):
         super().__init__()
+        self.config = config  # read at each forward: its attn_implementation can change after the model is built
         self.pre_norm = pre_norm
         self.self_attn = LinearAttention(config.hidden_size, config.num_attention_heads, options, standalone=False)
         self.self_attn_layer_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
@@ -99,6 +100,7 @@ class LinearTransformerLayer(GradientCheckpointingLayer):
             state=state,
             shared_draw=shared_draw,
             documents=documents,
+            softmax_implementation=self.config._attn_implementation,
         )
         if self.pre_norm:
             hidden_states = hidden_states + self.dropout(
@@ -107,3 +109,9 @@ class LinearTransformerLayer(GradientCheckpointingLayer):
             return hidden_states + self.dropout(self.mlp(self.final_layer_norm(hidden_states)))
         hidden_states = self.self_attn_layer_norm(hidden_states + self.dropout(self.self_attn(hidden_states, **attend)))
         return self.final_layer_norm(hidden_states + self.dropout(self.mlp(hidden_states)))
+
+    def attention_weights(self, hidden_states, attention_mask=None, position_ids=None, shared_draw=None):
+        """(B, H, N, N) the weights the layer's attention gives each key for each query, on the layer's input
+        (``LinearAttention.attention_weights``; O(N^2), for ``output_attentions``)."""
+        normed = self.self_attn_layer_norm(hidden_states) if self.pre_norm else hidden_states
+        return self.self_attn.attention_weights(normed, attention_mask, position_ids, shared_draw)

@@ -14,6 +14,7 @@ from transformers import initialization as init
 from .positions import find_documents
 from .registry import positional_encoding_entry
 from .reinitialisable import Reinitialisable
+from .softmax_attention import IMPLEMENTATIONS
 from .transformer_layer import LinearTransformerLayer
 
 
@@ -39,10 +40,12 @@ class LinearTransformerStack(nn.Module):
         cache=None,
         output_hidden_states=False,
         given_positions=True,
+        output_attentions=False,
     ):
         """hidden_states (B, N, hidden); attention_mask (B, N) bool or None; position_ids (B, N) or (B, N, 2);
         ``given_positions``: the caller's own position_ids, which may restart (packed rows), not the defaults, which
-        only grow (``find_documents``). Returns the last hidden states and, if asked, the input of every layer."""
+        only grow (``find_documents``). Returns the last hidden states and, if asked, the input of every layer and
+        every layer's attention weights (B, H, N, N)."""
         if self.training:
             for layer in self.layers:
                 layer.self_attn.redraw_random_features()
@@ -61,9 +64,12 @@ class LinearTransformerStack(nn.Module):
             positions = position_ids.expand(hidden_states.shape[0], -1)[..., None]
             documents = find_documents(positions, attention_mask, first_state, given_positions)
         all_hidden_states = [] if output_hidden_states else None
+        all_attentions = [] if output_attentions else None
         for index, layer in enumerate(self.layers):
             if output_hidden_states:
                 all_hidden_states.append(hidden_states)
+            if output_attentions:
+                all_attentions.append(layer.attention_weights(hidden_states, attention_mask, position_ids, shared_draw))
             state = cache.states[index] if cache is not None else None
             hidden_states = layer(
                 hidden_states,
@@ -74,7 +80,7 @@ class LinearTransformerStack(nn.Module):
                 shared_draw=shared_draw,
                 documents=documents,
             )
-        return hidden_states, all_hidden_states
+        return hidden_states, all_hidden_states, all_attentions
 
 
 def check_single_segment(token_type_ids):
@@ -94,8 +100,44 @@ class LinearPreTrainedModel(PreTrainedModel):
     # divides the other losses by the gradient-accumulation steps itself.
     accepts_loss_kwargs = False
     _no_split_modules = ["LinearTransformerLayer"]
-    # No _supports_sdpa: attn_implementation does not choose anything here (the attention path is
-    # config.attention; its softmax baseline always runs through SDPA), so the models stay on "eager".
+    auto_classes: dict = {}  # Auto class name -> model class, set by each family after its models
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """transformers' ``save_pretrained``; a model registered for remote code (``register_for_auto_class``)
+        writes an ``auto_map`` that names every Auto class of its family, not only its own, so that a checkpoint
+        saved as one head (masked LM, say) loads as the others (``AutoModel``, a classifier) with
+        ``trust_remote_code=True``."""
+        if self._auto_class is not None:
+            family = {
+                name: f"{cls.__module__.split('.')[-1]}.{cls.__name__}" for name, cls in self.auto_classes.items()
+            }
+            self.config.auto_map = {**(getattr(self.config, "auto_map", None) or {}), **family}
+        return super().save_pretrained(save_directory, *args, **kwargs)
+
+    def _check_and_adjust_attn_implementation(self, attn_implementation, *args, **kwargs):
+        """What transformers' ``attn_implementation`` means here (``from_pretrained(..., attn_implementation=...)``,
+        ``set_attn_implementation``). Linear attention (``attention="linear"``) forms no softmax: its one
+        implementation is the layer's own, "eager"; the kernels of its causal product are the config's
+        ``kernel_backend``. The softmax baseline (``attention="softmax"``) runs "sdpa" (the default) or "eager".
+        Anything else raises, saying so."""
+        valid = ("eager",) if self.config.attention == "linear" else IMPLEMENTATIONS
+        if attn_implementation is None:
+            return valid[0]
+        if attn_implementation in valid:
+            return attn_implementation
+        if self.config.attention == "linear":
+            raise ValueError(
+                f"attn_implementation={attn_implementation!r} does not apply to linear attention (attention='linear'), "
+                "which forms no softmax: its one implementation is the model's own, 'eager' (the default). The "
+                "kernels of its causal product are chosen by the config field kernel_backend: 'auto' (fla's Triton "
+                "kernels for CUDA tensors where fla-core is installed, torch otherwise), 'torch' or 'triton'. For "
+                "softmax attention, build the model with attention='softmax', which runs 'sdpa' or 'eager'."
+            )
+        raise ValueError(
+            f"attn_implementation={attn_implementation!r} is not available here: the softmax attention of these models "
+            f"runs {' or '.join(map(repr, IMPLEMENTATIONS))} ('sdpa', the default, picks PyTorch's flash or "
+            "memory-efficient kernels on a GPU)"
+        )
 
     def _init_weights(self, module):
         std = self.config.initializer_range
