@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import QUIET, ROOT, TINY
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, AutoModelForMaskedLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoModelForMaskedLM, AutoTokenizer, pipeline
 
 from lrpe_hf.training import glue as run_glue
 from lrpe_hf.training import image_classification as run_image_classification
@@ -109,6 +109,55 @@ def test_clm_training(workspace):
     tokenizer = AutoTokenizer.from_pretrained(out)
     generated = model.generate(**tokenizer("The", return_tensors="pt"), max_new_tokens=4, do_sample=False)
     assert generated.shape[1] >= 2
+
+
+CARD_SNIPPET = """
+import sys
+sys.modules["lrpe_hf"] = None  # as on a machine with transformers and torch only
+sys.argv = sys.argv[:1]
+"""
+
+
+def card_snippet(out: Path) -> str:
+    """The python block of the checkpoint's model card, reading the checkpoint by its folder."""
+    card = (out / "README.md").read_text()
+    code = card.split("```python\n")[1].split("```")[0]
+    return CARD_SNIPPET + code.replace(f'"{out.name}"', repr(str(out)))
+
+
+def test_a_briefly_trained_causal_lm_continues_its_prompt(workspace):
+    """run_clm.py saves the causal layout: a prompt is "<s> The", not "<s> The </s>" (after which a language model
+    starts a new document), so the text-generation pipeline and the model card's snippet continue the prompt.
+    Training still separates documents with </s>: the model learns that <s> follows </s>."""
+    out = workspace / "clm_prompt"
+    run_language_modeling(
+        "clm",
+        [
+            "--tokenizer_name", str(workspace / "tokenizer"), "--train_file", str(workspace / "train.txt"), *TINY,
+            "--block_size", "64", "--max_steps", "300", "--per_device_train_batch_size", "8", "--learning_rate", "3e-3",
+            "--do_train", "--output_dir", str(out), *QUIET,
+        ],
+    )  # fmt: skip
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    model = AutoModelForCausalLM.from_pretrained(out).eval()
+    prompt = tokenizer("The", return_tensors="pt")
+    assert prompt["input_ids"][0, 0] == tokenizer.bos_token_id and prompt["input_ids"][0, -1] != tokenizer.eos_token_id
+    specials = [tokenizer.bos_token_id, tokenizer.eos_token_id]
+    with torch.no_grad():
+        open_prompt = model(**prompt).logits[0, -1].softmax(-1)
+        closed = torch.cat([prompt["input_ids"], torch.tensor([[tokenizer.eos_token_id]])], dim=1)
+        closed_prompt = model(closed).logits[0, -1].softmax(-1)
+    assert closed_prompt[tokenizer.bos_token_id] > 0.25  # what a prompt ending with </s> did: a new document (0.52)
+    assert open_prompt[specials].sum() < 0.05  # (0.017)
+    generated = pipeline("text-generation", model=str(out))("The", max_new_tokens=10, do_sample=False)[0]
+    assert generated["generated_text"].startswith("The") and len(generated["generated_text"]) > len("The ")
+    result = subprocess.run(
+        [sys.executable, "-c", card_snippet(out)], capture_output=True, text=True, stdin=subprocess.DEVNULL,
+        env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    printed = result.stdout.strip().splitlines()[-1]
+    assert printed.startswith("The") and len(printed) > len("The ") and "<s>" not in printed
 
 
 def check_card_against_trainer_state(out: Path):

@@ -1,5 +1,6 @@
 """Command-line arguments that build a model config, shared by the run scripts (parsed by HfArgumentParser)."""
 
+import argparse
 import json
 import sys
 from dataclasses import dataclass, field
@@ -7,6 +8,8 @@ from dataclasses import dataclass, field
 import torch
 import transformers
 from transformers import set_seed
+from transformers.hf_argparser import string_to_bool
+from transformers.utils import is_torch_bf16_gpu_available
 
 from ..modeling.registry import FEATURE_MAPS, POSITIONAL_ENCODINGS
 
@@ -75,7 +78,8 @@ def parse_script_arguments(parser, args=None):
     trains and then evaluates (a ``--eval_strategy`` alone also turns ``do_eval`` on, as in Transformers).
     """
     argv = sys.argv[1:] if args is None else [str(a) for a in args]
-    parsed = parser.parse_args_into_dataclasses(args=args)
+    argv = with_cpu_for_bf16(argv)
+    parsed = parser.parse_args_into_dataclasses(args=argv)
     training_args = parsed[-1]
     if not any(a.split("=")[0] in ("--do_train", "--do_eval") for a in argv):
         training_args.do_train = training_args.do_eval = True
@@ -86,6 +90,20 @@ def parse_script_arguments(parser, args=None):
     transformers.utils.logging.set_verbosity(training_args.get_process_log_level())
     set_seed(training_args.seed)
     return parsed
+
+
+def with_cpu_for_bf16(argv: list[str]) -> list[str]:
+    """``argv`` with ``--use_cpu`` added when it asks for ``--bf16`` on a machine with no GPU that runs bf16:
+    transformers would stop with "Your setup doesn't support bf16/gpu"; here the CPU is the only device, and it
+    runs bf16 autocast (fast on CPUs with AMX, several times slower than float32 on others)."""
+    flags = argparse.ArgumentParser(add_help=False)
+    for flag in ("--bf16", "--bf16_full_eval", "--use_cpu"):
+        flags.add_argument(flag, nargs="?", const="true", default="false", type=string_to_bool)
+    given, _ = flags.parse_known_args(argv)
+    if (given.bf16 or given.bf16_full_eval) and not given.use_cpu and not is_torch_bf16_gpu_available():
+        print("--bf16 on a machine without a GPU that runs bf16: training on the CPU (--use_cpu added)")
+        return argv + ["--use_cpu"]
+    return argv
 
 
 def build_config(model_args: ModelArguments, config_class, **task_fields):

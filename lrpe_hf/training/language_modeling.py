@@ -18,6 +18,7 @@ from .. import LinearGPTConfig, LinearGPTForCausalLM, LinearRobertaConfig, Linea
 from .arguments import ModelArguments, build_config, parse_script_arguments
 from .data import check_columns, load_files_or_hub, load_tokenizer, select_samples
 from .lora import apply_lora
+from .tokenizer import causal_lm_tokenizer
 from .trainer import CardTrainer, train_and_evaluate
 
 KINDS = {
@@ -67,11 +68,23 @@ class LanguageModelingDataArguments:
     max_eval_samples: int | None = field(default=None, metadata={"help": "use only the first N evaluation examples"})
 
 
-def group_into_blocks(dataset, tokenizer, text_column: str, block_size: int):
+def tokenize_documents(tokenizer, texts, end_documents: bool, **options):
+    """The tokenizer's ids of each text; ``end_documents``: each ending with the eos token (a causal LM's
+    tokenizer leaves texts open, and training must still see where each document ends)."""
+    if not end_documents:
+        return tokenizer(texts, return_attention_mask=False, **options)
+    if options.get("truncation"):
+        options["max_length"] -= 1
+    eos = tokenizer.eos_token_id
+    ids = tokenizer(texts, return_attention_mask=False, **options)["input_ids"]
+    return {"input_ids": [row if row[-1:] == [eos] else row + [eos] for row in ids]}
+
+
+def group_into_blocks(dataset, tokenizer, text_column: str, block_size: int, end_documents: bool = False):
     """Tokenize every document, concatenate them and cut the stream into blocks of ``block_size`` tokens."""
 
     def tokenize(batch):
-        return tokenizer(batch[text_column], return_attention_mask=False)
+        return tokenize_documents(tokenizer, batch[text_column], end_documents)
 
     def group(batch):
         stream = list(chain.from_iterable(batch["input_ids"]))
@@ -85,11 +98,11 @@ def group_into_blocks(dataset, tokenizer, text_column: str, block_size: int):
 LAYOUTS = ("concatenated", "padded", "flattened")
 
 
-def one_document_per_example(dataset, tokenizer, text_column: str, block_size: int):
+def one_document_per_example(dataset, tokenizer, text_column: str, block_size: int, end_documents: bool = False):
     """Tokenize every document on its own, truncated to ``block_size`` tokens; empty documents are dropped."""
 
     def tokenize(batch):
-        return tokenizer(batch[text_column], truncation=True, max_length=block_size, return_attention_mask=False)
+        return tokenize_documents(tokenizer, batch[text_column], end_documents, truncation=True, max_length=block_size)
 
     tokenized = dataset.map(tokenize, batched=True, remove_columns=dataset["train"].column_names, desc="Tokenizing")
     return tokenized.filter(lambda example: len(example["input_ids"]) > 1, desc="Dropping empty documents")
@@ -143,6 +156,8 @@ def run(kind: str, model_args, data_args, training_args, trainer_class=CardTrain
     check_columns(dataset, [data_args.text_column])
     purpose = "masked language modelling" if kind == "mlm" else "causal LM"
     tokenizer = load_tokenizer(model_args, spec["needed"], purpose)
+    if kind == "clm":  # prompts stay open: "<s> text", never "<s> text </s>"; the checkpoint saves this layout
+        tokenizer = causal_lm_tokenizer(tokenizer)
     if model_args.model_name_or_path:
         model = spec["auto"].from_pretrained(
             model_args.model_name_or_path, trust_remote_code=model_args.trust_remote_code
@@ -162,7 +177,7 @@ def run(kind: str, model_args, data_args, training_args, trainer_class=CardTrain
 
     with training_args.main_process_first(desc="preparing the data"):
         prepare = group_into_blocks if data_args.document_layout == "concatenated" else one_document_per_example
-        blocks = prepare(dataset, tokenizer, data_args.text_column, data_args.block_size)
+        blocks = prepare(dataset, tokenizer, data_args.text_column, data_args.block_size, end_documents=kind == "clm")
     train = select_samples(blocks["train"], data_args.max_train_samples)
     evaluation = select_samples(blocks.get("validation"), data_args.max_eval_samples)
     if len(train) == 0:

@@ -11,6 +11,39 @@ import torch
 from huggingface_hub import ModelCard, ModelCardData
 from transformers.modelcard import extract_hyperparameters_from_trainer, make_markdown_table
 
+from ..registration import FAMILIES
+
+# What the card's usage snippet does with the model, per pipeline tag: each prints a result when run.
+USAGE = {
+    "text-generation": """\
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+tokenizer = AutoTokenizer.from_pretrained("{model_id}", trust_remote_code=True)
+model = AutoModelForCausalLM.from_pretrained("{model_id}", trust_remote_code=True)
+inputs = tokenizer("The", return_tensors="pt")
+print(tokenizer.decode(model.generate(**inputs, max_new_tokens=20)[0], skip_special_tokens=True))""",
+    "fill-mask": """\
+from transformers import pipeline
+
+fill = pipeline("fill-mask", model="{model_id}", trust_remote_code=True)
+print(fill(f"The river flows into the {{fill.tokenizer.mask_token}}."))""",
+    "text-classification": """\
+from transformers import pipeline
+
+classify = pipeline("text-classification", model="{model_id}", trust_remote_code=True)
+print(classify("What a wonderful day!"))""",
+    "image-classification": """\
+from PIL import Image
+from transformers import pipeline
+
+classify = pipeline("image-classification", model="{model_id}", trust_remote_code=True)
+print(classify(Image.open("image.png")))""",
+}
+
+
+def usage_snippet(pipeline_tag: str, model_id: str) -> str:
+    return f"```python\n{USAGE[pipeline_tag].format(model_id=model_id)}\n```"
+
 
 def results_table(metrics: dict) -> str:
     if not metrics:
@@ -138,6 +171,9 @@ def write_model_card(
         model_id=model_id,
         task_description=task_description,
         auto_class=auto_class,
+        usage=usage_snippet(pipeline_tag, model_id),
+        family=type(config).__name__.removesuffix("Config"),
+        auto_classes=", ".join(f"`{name}`" for name in FAMILIES[type(config)]),
         positional_encoding=config.positional_encoding,
         feature_map=options.feature_map or "-",
         attention=config.attention,

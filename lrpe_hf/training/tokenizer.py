@@ -4,9 +4,11 @@
         --vocab_size 8192 --output_dir out/tokenizer
 
 The tokenizer carries the special tokens every family needs: <s> (bos/cls), </s> (eos/sep), <pad>, <unk> and
-<mask>; single sentences become "<s> A </s>" and pairs "<s> A </s></s> B </s>" (RoBERTa's layout).
+<mask>; single sentences become "<s> A </s>" and pairs "<s> A </s></s> B </s>" (RoBERTa's layout). A causal LM
+wants its prompts open: ``causal_lm_tokenizer`` gives the layout run_clm.py trains with and saves, "<s> A".
 """
 
+import copy
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -77,6 +79,26 @@ def train_tokenizer(args: TokenizerArguments) -> PreTrainedTokenizerFast:
         **SPECIAL_TOKENS,
     )
     tokenizer.save_pretrained(args.output_dir)
+    return tokenizer
+
+
+def causal_lm_tokenizer(tokenizer):
+    """``tokenizer`` laid out for a causal LM: a text becomes "<s> A", with no "</s>" after it, so that a prompt is
+    continued, not closed (after "</s>" a language model starts a new document); pairs become "<s> A </s> <s> B",
+    as training separates documents. A tokenizer that ends no text with its eos token (GPT-2's) is returned as it
+    is; otherwise a copy, whose post-processor is replaced."""
+    eos, ids = tokenizer.eos_token_id, tokenizer("a")["input_ids"]
+    if eos is None or not ids or ids[-1] != eos or not tokenizer.is_fast:
+        return tokenizer
+    tokenizer = copy.deepcopy(tokenizer)
+    specials = [(tokenizer.eos_token, eos)]
+    start = ""
+    if tokenizer.bos_token_id is not None:
+        specials.append((tokenizer.bos_token, tokenizer.bos_token_id))
+        start = f"{tokenizer.bos_token} "
+    tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{start}$A", pair=f"{start}$A {tokenizer.eos_token} {start}$B:1", special_tokens=specials
+    )
     return tokenizer
 
 
