@@ -79,8 +79,8 @@ test: install harness
 # torch we support, and the newest that pip finds on the day (torch's newest from PyPI is its CUDA build, which runs
 # on the CPU too). Each runs the tests that touch their interfaces, with transformers' common tests for its release.
 OLDEST := transformers==5.10.1 torch==2.7.1
-COMPAT_TESTS := tests/test_generation.py tests/test_models.py tests/test_pipelines.py tests/test_extension_api.py \
-	tests/test_scripts.py tests/test_transformers_common.py
+COMPAT_TESTS := tests/test_generation.py tests/test_models.py tests/test_pipelines.py tests/test_conventions.py \
+	tests/test_extension_api.py tests/test_scripts.py tests/test_transformers_common.py
 
 .venv-oldest/.installed: setup.cfg pyproject.toml
 	$(PYTHON_BASE) -m venv .venv-oldest
