@@ -11,7 +11,35 @@ import torch
 
 
 class TensorState:
-    """A dataclass of tensors (and nested states) whose batch rows can be selected or repeated together."""
+    """A dataclass of tensors (and nested states) whose batch rows can be selected or repeated together.
+
+    While decoding (no autograd), ``store`` writes each step's state into the tensor already there, so that state
+    tensors keep their addresses from step to step: a compiled decoding step then reads and writes static
+    addresses, which a CUDA graph can replay (``torch.compile(mode="reduce-overhead")``)."""
+
+    def store(self, name: str, value: torch.Tensor | None):
+        """Set the field ``name`` to ``value``, in place where the field already holds a tensor of its shape,
+        dtype and device and autograd tracks neither; otherwise anew (the first call, a batch that changed size,
+        training), then as a copy if ``value`` views another tensor (a later write in place must not reach it),
+        marked as a static address for compilers."""
+        current = getattr(self, name)
+        if (
+            value is None
+            or torch.is_grad_enabled()
+            and (value.requires_grad or current is not None and current.requires_grad)
+        ):
+            setattr(self, name, value)
+        elif isinstance(current, torch.Tensor) and (current.shape, current.dtype, current.device) == (
+            value.shape,
+            value.dtype,
+            value.device,
+        ):
+            current.copy_(value)
+        else:
+            value = value.clone() if value._base is not None else value
+            if not torch.compiler.is_compiling():
+                torch._dynamo.mark_static_address(value)
+            setattr(self, name, value)
 
     def apply(self, fn):
         """Replace every tensor t (recursively) by fn(t)."""
@@ -95,9 +123,9 @@ class LinearAttentionState(TensorState):
         B, N = positions.shape[:2]
         if mask is None:  # every token is real (the common case while decoding: a handful of ops per layer)
             seen = self.num_tokens if self.num_tokens is not None else positions.new_zeros(B)
-            self.num_tokens = seen + N
-            self.last_position = positions[:, -1, 0]
-            self.document = documents[:, -1]
+            self.store("num_tokens", seen + N)
+            self.store("last_position", positions[:, -1, 0])
+            self.store("document", documents[:, -1])
             return
         index = torch.arange(N, device=positions.device).expand(B, N).masked_fill(~mask, -1)
         last_index = index.amax(-1)  # the last real token of each row, -1 if none
@@ -105,6 +133,6 @@ class LinearAttentionState(TensorState):
         if self.last_position is not None:
             last = torch.where(last_index >= 0, last, self.last_position)
         real = (index >= 0).long().sum(-1)
-        self.num_tokens = real if self.num_tokens is None else self.num_tokens + real
-        self.last_position = last
-        self.document = documents[:, -1]
+        self.store("num_tokens", real if self.num_tokens is None else self.num_tokens + real)
+        self.store("last_position", last)
+        self.store("document", documents[:, -1])

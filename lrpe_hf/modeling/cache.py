@@ -4,10 +4,11 @@ A linear-attention layer needs O(m d) numbers per head whatever the context leng
 it biases with; the softmax baseline keeps its keys and values). The cache counts tokens itself and cannot be
 cropped (a recurrent state cannot forget its last tokens).
 
-A decoding step compiles (``torch.compile(model)``) to one graph over every layer, which after a warm-up no step
-traces again: the recurrent states keep their shapes from step to step (what grows, FastRPB's history and the
-softmax baseline's keys, becomes a dynamic shape) and the step reads no Python count (``advance`` runs outside
-the graph).
+A decoding step compiles (``torch.compile(model, fullgraph=True)``) to one graph over every layer, with no graph
+break and no host read: the recurrent states keep their shapes from step to step and are written in place
+(``TensorState.store``), so they keep their addresses too, and the token count is a tensor the step adds to. A CUDA
+graph can then replay each step (``mode="reduce-overhead"``). What grows, FastRPB's history and the softmax
+baseline's keys, becomes a dynamic shape and a new address at each growth.
 ``is_compileable`` stays False: with True, ``generate`` would build 4D masks for it and compile on its own on a
 GPU, where this has not been measured. convSPE still breaks the graph: the noise it filters is read at the
 positions' values.
@@ -25,7 +26,7 @@ class LinearAttentionCache(Cache):
     def __init__(self, num_layers: int):
         super().__init__(layers=[])
         self.states = [LinearAttentionState() for _ in range(num_layers)]
-        self.seen_tokens = 0
+        self.token_count = None  # () long tensor on the model's device, from the first call on
 
     def __len__(self):
         return len(self.states)
@@ -33,11 +34,19 @@ class LinearAttentionCache(Cache):
     def __repr__(self):
         return f"LinearAttentionCache(layers={len(self.states)}, seen_tokens={self.seen_tokens})"
 
-    @torch.compiler.disable
-    def advance(self, num_tokens: int):
-        """Count a call's tokens (padding included). Outside any compiled graph, which would otherwise be
-        specialised on the count."""
-        self.seen_tokens += num_tokens
+    def advance(self, num_tokens: int, device):
+        """Count a call's tokens (padding included), in place in a tensor: a compiled step adds to it in its graph,
+        which a Python count would break (or specialise on each value)."""
+        if self.token_count is None:
+            self.token_count = torch.zeros((), dtype=torch.long, device=device)
+            if not torch.compiler.is_compiling():
+                torch._dynamo.mark_static_address(self.token_count)
+        self.token_count.add_(num_tokens)
+
+    @property
+    def seen_tokens(self) -> int:
+        """The tokens the cache has seen, padding included (a read from the device)."""
+        return 0 if self.token_count is None else int(self.token_count)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.seen_tokens
@@ -50,11 +59,11 @@ class LinearAttentionCache(Cache):
 
     @property
     def is_initialized(self) -> bool:
-        return self.seen_tokens > 0
+        return self.token_count is not None
 
     def reset(self):
         self.states = [LinearAttentionState() for _ in self.states]
-        self.seen_tokens = 0
+        self.token_count = None
 
     def reorder_cache(self, beam_idx: torch.LongTensor):
         for state in self.states:

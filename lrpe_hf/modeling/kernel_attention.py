@@ -135,7 +135,8 @@ class KernelAttention(nn.Module):
             out, denominator = bidirectional_linear_attention(tq, tk, v, local_documents, with_denominator)
             kv = None
         if state is not None:
-            state.kv, state.key_max = kv, features.key_max
+            state.store("kv", kv)
+            state.store("key_max", features.key_max)
         if divided:
             return out
         if self.normalization == "output_layer_norm":
@@ -204,5 +205,5 @@ class KernelAttention(nn.Module):
                 fq, fk, ones, gates, previous, self.chunk_size, starts, backend=self.kernel_backend
             )
         if state is not None:
-            state.key_sum = key_sum
+            state.store("key_sum", key_sum)
         return denominator

@@ -105,7 +105,7 @@ class LinearGPTModel(LinearGPTPreTrainedModel):
         if use_cache and past_key_values is None:
             past_key_values = LinearAttentionCache(self.config.num_hidden_layers)
         cache = past_key_values if use_cache else None
-        if output_attentions and cache is not None and cache.seen_tokens:
+        if output_attentions and cache is not None and cache.is_initialized:
             raise ValueError(
                 "output_attentions=True weighs every key for every query, and a recurrent cache keeps no past tokens "
                 "to weigh: call the model on the whole sequence (use_cache=False or a new cache)"
@@ -132,7 +132,7 @@ class LinearGPTModel(LinearGPTPreTrainedModel):
         )
         hidden_states = self.norm(hidden_states)
         if cache is not None:
-            cache.advance(num_tokens)
+            cache.advance(num_tokens, hidden_states.device)
         if output_hidden_states:
             all_hidden_states = tuple(all_hidden_states) + (hidden_states,)
         return BaseModelOutputWithPast(
