@@ -33,12 +33,18 @@ NEUTRAL_ARGUMENTS = frozenset({"cache_position", "tokenizer"})
 def take_cache(kwargs: dict, **named):
     """The generation cache under whichever name it came: ``named`` holds the forward's own cache arguments
     (``past_key_values``, ``cache``), ``kwargs`` may hold the others (``cache_params``), which are removed from it.
-    Two names given at once raise."""
-    given = {name: kwargs.pop(name) for name in CACHE_ARGUMENTS if name in kwargs} | named
-    given = {name: value for name, value in given.items() if value is not None}
+    Two names given at once raise. (Written in the plain Python that torch 2.7's compiler traces.)"""
+    given = {name: value for name, value in named.items() if value is not None}
+    for name in CACHE_ARGUMENTS:
+        if name in kwargs:
+            value = kwargs.pop(name)
+            if value is not None:
+                given[name] = value
     if len(given) > 1:
         raise ValueError(f"Pass the cache once: got {' and '.join(sorted(given))}")
-    return next(iter(given.values()), None)
+    for value in given.values():
+        return value
+    return None
 
 
 def check_extra_arguments(model, kwargs: dict, accepted=frozenset()):
