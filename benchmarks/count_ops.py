@@ -1,0 +1,995 @@
+"""Figures that stand in for a GPU: ATen ops per layer (eager and compiled), and a roofline of an H100 train step.
+
+No GPU is needed. Both parts compare LinearGPT (every positional encoding, its default feature map and
+normalisation; 6 layers x 512, 8 heads x 64, FFN 2,048, vocabulary 8,192) with Transformers' GPT-2 of the same
+size under SDPA (``gpt2-sdpa``; its attention-probability dropout off: the CPU's SDPA takes dropout only on its
+math path, a GPU's flash kernel takes it inside).
+
+1. **Op counts** (``ops.csv``, ``top_ops.csv``): ATen ops counted by ``torch.profiler`` on the CPU, a stand-in for
+   the kernel launches of the same step on a GPU, for
+
+   - a decoding step: one new token after a prompt of 256 tokens (prefill with the cache, then two warm-up
+     steps), batch 1, eval mode, no gradient;
+   - a train step: forward and backward of the LM loss on one sequence of 128 tokens, batch 1, train mode
+     (dropout on), fp32 (``--bf16`` adds one under bf16 autocast, whose casts are ops too). The CPU path splits
+     long inputs into blocks sized for a CPU's caches; ``one_block`` sets every constant that sizes them
+     (``products_shared.BLOCK_ELEMENTS`` for the chunked products' heads, ``feature_maps.ELEMENTWISE_BLOCK``,
+     ``lm_loss.ROWS_PER_BLOCK``, ``positional_fastrpb.TRANSPOSE_BLOCK``, the positional transforms'
+     ``BLOCK_ELEMENTS``...) to 2**62, so that every input is one block, as a GPU wants. At 128 tokens nothing
+     would split anyway; the roofline's 8k and 32k inputs would.
+
+   **The counting rule** (``counted_ops``). The profiler's events form a call tree. Walking it from the top, an
+   ATen op (an event named ``aten::*``) is
+
+   - in ``FUSED_OPS`` (SDPA, dropout): counted once whatever the CPU runs inside it (on a GPU, one fused
+     kernel: flash attention, native_dropout), or 0 where it ran nothing (dropout in eval mode);
+   - skipped with its children when it is in ``METADATA_OPS`` (empty, empty_like, new_empty, empty_strided,
+     resize_, _unsafe_view, _reshape_alias, alias, detach_, promote_types, the in-place views...);
+   - looked through when it is a CompositeImplicitAutograd op (every functional overload is; it has no kernel of
+     its own and calls other ATen ops: linear, matmul, to, contiguous, reshape, flatten, layer_norm, item...):
+     its children are counted by this rule instead (``to`` to the same dtype counts 0, ``linear`` its addmm);
+   - skipped with its children when it only makes a view: every functional schema of it taking a tensor returns
+     aliases of its inputs that it does not write (view, transpose, expand, as_strided, slice, select, unsqueeze,
+     squeeze, permute, t, detach, alias, unbind, split, view_as_real, view_as_complex...);
+   - otherwise counted once, its children not: the top-level op that computes (addmm, bmm, add_, copy_,
+     _to_copy, native_layer_norm, native_dropout, cat, _local_scalar_dense...). Each launches at least one kernel
+     on a GPU (``_local_scalar_dense``, a value read by the host, is a device-to-host copy and a sync).
+
+   Events that are not ATen ops (Python frames, modules, autograd nodes) are walked through; a range named
+   ``fla-launches:N:kernel`` counts N (a stood-in fla kernel, below). **Per layer**: the count of the model with L
+   = 6 layers minus that of the same model with one, over the layers it adds, ``(count(L) - count(1)) / (L - 1)``;
+   what is not the layers' (embeddings, final norm, head, loss, masks) is ``count(L) - L * per_layer`` (``ops.md``
+   also lists the whole-model counts). **Product**: the ops inside ``causal_linear_attention`` and the backward
+   of the autograd Functions it applies (``PRODUCT_FUNCTIONS``).
+
+   The counts are of the CPU's eager path. A GPU runs the same Python except where the code tests the device:
+   the causal product (fla's Triton kernels where fla-core is installed) and a few CPU-only branches (1 + elu
+   takes 4 ops per tensor on a CPU, 2 elsewhere). ``+fla`` rows (``--fla``, the default where fla-core is
+   installed) take the product's GPU path on the CPU: ``products_triton``'s mapping runs as on a GPU, and fla's
+   kernels are stood in by fla's own torch references (``naive.py``), under ``torch.compiler.disable`` as fla's
+   entry points are, each call counted as fla's launches (``FLA_LAUNCHES``: 2 forward, 4 backward; 1 per
+   decoding step).
+
+   **Compiled**: the same steps under ``torch.compile`` with a backend that only counts the graphs it is handed
+   and runs them as they are (no code generation: seconds, not minutes): for decoding, whether the step compiles
+   with ``fullgraph=True`` (or its first reason why not); the graphs run per step after two warm-up steps (a
+   train step's forward and backward graphs, through AOTAutograd); graphs compiled during the counted step
+   (recompilations); and dynamo's graph-break reasons. The train step is compiled for GPT-2 and the torch path.
+
+   Targets (the issue's): eager decoding at most 1.5x GPT-2's ops per layer, compiled decoding one graph per
+   step, an eager train step at most 2x GPT-2's ops per layer.
+
+2. **Roofline** (``roofline.csv``): an ESTIMATE, not a measurement, of one layer's bf16 train step (forward and
+   backward) on an H100 at 8k and 32k tokens, batch 1, for LinearGPT's default layer (``--roofline-encodings``:
+   the default encoding and ``none``) and GPT-2's. Components:
+
+   - GEMMs: FLOPs of every matmul outside the attention product, from its shapes (the projections and the MLP:
+     72 N d^2 for both models), each at ``GEMM_FRACTION`` of the dense bf16 peak or its bytes at HBM speed,
+     whichever is slower;
+   - attention: fla's ``chunk_simple_gla`` for LinearGPT (``fla_chunk_cost``: FLOPs and bytes from its
+     algorithm), SDPA's flash attention for GPT-2 (``flash_attention_flops``: 4 N^2 d per head forward, halved
+     by the causal mask, backward 2.5x forward);
+   - other: the bytes every other op reads and writes, at ``HBM_FRACTION`` of HBM bandwidth;
+   - launches: the ops counted (fla's and flash attention's as their kernels), ``LAUNCH_SECONDS`` of host time
+     each when not captured in a CUDA graph.
+
+   The ops, their shapes and dtypes come from a ``TorchDispatchMode`` (``OpBytes``; the profiler records each op's
+   input shapes but not its outputs nor, per tensor, its dtype) over a train step of the
+   layer (its input wanting a gradient, as inside a stack) at the same shapes under CPU bf16 autocast, run on
+   fake tensors (the same CPU code, shapes and dtypes, no arithmetic: bf16 matmuls run at ~9 GFLOP/s on this
+   CPU), the product on fla's path, dropout as a GPU runs it (``native_dropout``). The mode sees what reaches
+   the kernels (composite ops decomposed) and leaves out views and metadata as the counting rule does; each
+   op's bytes are its input and output tensors' (a broadcast dimension read once, an argument it writes counted
+   once). GPU time is the sum of the three kernel times (one stream); ``gpu_ms`` is also the step under a CUDA
+   graph, and eagerly the step takes the larger of it and the launches' host time. Every assumption is a named
+   constant below, with its source or reasoning.
+
+Writes ``ops.csv``, ``top_ops.csv``, ``compiled.csv``, ``roofline.csv``, ``ops.md`` and ``ops.json`` (the
+command, commit, machine and date) to ``--output_dir`` and prints the tables.
+
+    python benchmarks/count_ops.py                                    # every encoding, both parts (~7 minutes)
+    python benchmarks/count_ops.py --encodings none rope --no-compiled --no-roofline
+    python benchmarks/count_ops.py --bf16 --no-fla                    # and the train step under bf16 autocast
+"""
+
+import argparse
+import collections
+import contextlib
+import csv
+import functools
+import importlib.util
+import logging
+import math
+from pathlib import Path
+
+import torch
+from measure import write_provenance
+from torch.profiler import ProfilerActivity, profile, record_function
+from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import AutoModelForCausalLM, DynamicCache, GPT2Config
+
+import lrpe_hf
+from lrpe_hf import LinearAttentionCache, LinearGPTConfig, LinearGPTForCausalLM
+from lrpe_hf.modeling.forward_arguments import CACHE_OUTPUT_FIELD
+
+SIZE = dict(layers=6, hidden=512, heads=8, ffn=2048, vocab=8192)
+DECODE_CONTEXT = 256  # tokens of prompt before the counted decoding step
+TRAIN_TOKENS = 128  # tokens of the counted train step
+TARGETS = {"decode": 1.5, "train": 2.0}  # eager ops per layer over GPT-2's, at most (the issue's)
+GPT2 = "gpt2-sdpa"
+
+# What the counting rule skips besides the ops whose every schema returns an alias of an input it does not write:
+# allocations (no kernel: the memory is handed out by the caching allocator) and metadata-only ops.
+METADATA_OPS = {
+    "aten::empty", "aten::empty_like", "aten::empty_strided", "aten::new_empty", "aten::new_empty_strided",
+    "aten::resize_", "aten::resize_as_", "aten::detach_", "aten::set_", "aten::promote_types", "aten::result_type",
+    "aten::squeeze_", "aten::unsqueeze_", "aten::transpose_", "aten::t_", "aten::as_strided_", "aten::_unsafe_view",
+    "aten::_reshape_alias", "aten::lift_fresh", "aten::alias", "aten::is_same_size", "aten::size", "aten::stride",
+    "aten::numel", "aten::dim", "aten::is_contiguous", "aten::_has_compatible_shallow_copy_type",
+}  # fmt: skip
+# Ops that are one fused kernel on a GPU whatever the CPU runs inside them.
+FUSED_OPS = {"aten::scaled_dot_product_attention", "aten::dropout"}
+# The autograd Functions ``causal_linear_attention`` applies on the torch path (their backward is the product's).
+PRODUCT_FUNCTIONS = ("ChunkedCausalProduct", "GatedIntraChunkProduct", "GatedChunkStates")
+STAND_IN_PREFIX = "fla-launches:"  # a record_function range that counts as this many launches, its children not
+
+# ---- The roofline's assumptions (one H100 SXM5, bf16) ----
+H100_BF16_FLOPS = 989e12  # dense bf16 tensor-core peak, FLOP/s (NVIDIA H100 SXM5 datasheet: 989.4 TFLOPS)
+GEMM_FRACTION = 0.5  # of that peak reached by the layer's GEMMs (M = 8k..32k tokens, N and K 512 or 2,048); an
+# assumption: large square bf16 GEMMs reach well above half, but a K of 512 leaves each output tile few steps of the
+# K loop to hide its loads behind, and the weight-gradient GEMMs reduce over the 8k..32k tokens
+H100_HBM_BYTES_PER_S = 3.35e12  # HBM3 bandwidth, bytes/s (NVIDIA H100 SXM5 datasheet)
+HBM_FRACTION = 0.8  # of that bandwidth reached by elementwise and reduction kernels (an assumption: streaming
+# kernels over tensors of megabytes and more come within 10-20% of the peak; the small ones do worse)
+LAUNCH_SECONDS = 4e-6  # host time per kernel launch through PyTorch's eager dispatch when not in a CUDA graph (the
+# issue's figure; the Python, dispatcher and driver overheads of one eager op add up to a few microseconds)
+FLASH_ATTENTION_FLOPS = 290e12  # FLOP/s reached by FlashAttention-2 (SDPA's flash kernel) on an H100 SXM5 at head
+# dim 64 and 8k-16k tokens: 284-324 TFLOPS/s forward, 287-291 backward (FlashAttention-3 paper, Shah et al. 2024,
+# "Attention forward/backward speed, head dim 64" figures), counted with causal halving as below
+FLASH_BACKWARD_OVER_FORWARD = 2.5  # backward FLOPs over forward's: 5 matmuls of N^2 d against 2 (with QK^T redone)
+FLA_CHUNK = 64  # chunk_simple_gla's chunk size (fla-core 0.6.0 default)
+FLA_FLOP_FRACTION = 0.3  # of the bf16 peak reached by fla's chunk kernels (an assumption: C x C = 64 x 64 tiles,
+# several small products per chunk); at these widths they are bound by memory anyway (about 40 FLOP per byte against
+# the H100's ridge point of 989 / 3.35 = 295)
+FLA_LAUNCHES = {"forward": 2, "backward": 4}  # chunk_simple_gla's kernels: chunk_fwd_h, chunk_fwd_o; backward
+# chunk_fwd_h (recomputed), chunk_bwd_dh, chunk_bwd_dqkwg, chunk_bwd_dv (fla-core 0.6.0, ops/simple_gla/chunk.py);
+# per-token gates add a chunk_local_cumsum each way
+FLA_STEP_LAUNCHES = 1  # fused_recurrent_simple_gla: one kernel per decoding step
+FLASH_LAUNCHES = {"forward": 1, "backward": 3}  # flash forward; backward: the dO . O preprocess, the main kernel,
+# dq's conversion from float32
+ROOFLINE_TOKENS = (8192, 32768)
+BF16 = 2  # bytes per element of the attention product's inputs and outputs
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Counting rule
+
+
+@functools.cache
+def _overloads(name: str):
+    packet = getattr(torch.ops.aten, name.split("::", 1)[1], None)
+    if packet is None:
+        return []
+    overloads = [getattr(packet, overload) for overload in packet.overloads()]
+    return [op for op in overloads if not any(a.is_out for a in op._schema.arguments)]
+
+
+@functools.cache
+def is_view(name: str) -> bool:
+    """Every (functional) schema of the op taking a tensor returns only aliases of an input, unwritten."""
+    schemas = [op._schema for op in _overloads(name)]
+    schemas = [s for s in schemas if any(isinstance(a.type, torch.TensorType) for a in s.arguments)]
+    return bool(schemas) and all(
+        s.returns and all(r.alias_info is not None and not r.alias_info.is_write for r in s.returns) for s in schemas
+    )
+
+
+@functools.cache
+def is_composite(name: str) -> bool:
+    """Every (functional) overload of the op is CompositeImplicitAutograd: no kernel, it calls other ATen ops."""
+    flags = []
+    for op in _overloads(name):
+        try:
+            flags.append(torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd"))
+        except RuntimeError:  # TorchScript-only overloads (aten::to.prim_Device) are not in the dispatcher
+            pass
+    return bool(flags) and all(flags)
+
+
+def computes(name: str) -> str:
+    """How the rule treats an ATen op: 'skip', 'through' (count its children), 'fused' or 'count'."""
+    if name in FUSED_OPS:
+        return "fused"
+    if name in METADATA_OPS:
+        return "skip"
+    if is_composite(name):
+        return "through"
+    if is_view(name):
+        return "skip"
+    return "count"
+
+
+def counted_ops(events) -> list[tuple[str, int, bool]]:
+    """The ops the rule counts among the profiler's ``events``: (name, launches, in the causal product) each."""
+
+    def walk(event, in_product) -> list:
+        name = event.name
+        if name.startswith(STAND_IN_PREFIX):  # a stood-in fla kernel: its launches, not the reference's ops
+            _, launches, kernel = name.split(":")
+            return [(f"fla::{kernel}", int(launches), True)]
+        in_product = in_product or name.endswith(": causal_linear_attention")
+        in_product = in_product or any(name.endswith(f"{function}Backward") for function in PRODUCT_FUNCTIONS)
+        if name.startswith("aten::"):
+            how = computes(name)
+            if how == "skip":
+                return []
+            if how == "count":
+                return [(name, 1, in_product)]
+            if how == "fused":
+                inside = [op for child in event.cpu_children for op in walk(child, in_product)]
+                return [(name, 1, in_product)] if inside else []
+        return [op for child in event.cpu_children for op in walk(child, in_product)]
+
+    return [op for event in events if event.cpu_parent is None for op in walk(event, False)]
+
+
+def profile_ops(fn) -> list[tuple[str, int, bool]]:
+    """Run ``fn`` once under the profiler (with Python frames, to see the product) and count its ops."""
+    with profile(activities=[ProfilerActivity.CPU], with_stack=True) as prof:
+        fn()
+    return counted_ops(prof.events())
+
+
+def tally(ops) -> tuple[int, int, collections.Counter]:
+    """(launches, launches in the product, launches per op name)."""
+    by_name = collections.Counter()
+    for name, launches, _ in ops:
+        by_name[name] += launches
+    return sum(n for _, n, _ in ops), sum(n for _, n, product in ops if product), by_name
+
+
+@contextlib.contextmanager
+def one_block():
+    """Every constant that splits the CPU path's work into cache-sized blocks, set so large that any input is one
+    block (a GPU wants whole tensors: each block costs launches). Set on the class or module that reads it at
+    call time; restored on exit. The positional transforms' ``angle_blocks`` and the feature maps already take one
+    block off the CPU (they test ``is_cpu``); FastRPB's transposing copy and the LM loss's rows split on every
+    device."""
+    import lrpe_hf.modeling.positional_spe as positional_spe
+    from lrpe_hf.modeling import feature_maps, lm_loss, positional_fastrpb, products_shared
+    from lrpe_hf.modeling.positional_lrpe import UnitaryLift
+    from lrpe_hf.modeling.positional_permute import CyclicPermutations
+    from lrpe_hf.modeling.positional_rope import RotateQueriesAndKeys
+    from lrpe_hf.modeling.positional_spe import SineMixing
+
+    huge = 1 << 62
+    settings = [
+        (products_shared, "BLOCK_ELEMENTS"),  # heads per block of the chunked products' C x C scores
+        (feature_maps, "ELEMENTWISE_BLOCK"),  # elements per block of 1 + elu
+        (lm_loss, "ROWS_PER_BLOCK"),  # rows of logits per block of the LM loss
+        (positional_fastrpb, "TRANSPOSE_BLOCK"),  # tokens per block of FastRPB's copy into its FFT buffer
+        (RotateQueriesAndKeys, "BLOCK_ELEMENTS"),  # RoPE's rotation
+        (UnitaryLift, "BLOCK_ELEMENTS"),  # LRPE's unitary lift
+        (CyclicPermutations, "BLOCK_ELEMENTS"),  # PermuteFormer's permutation (on every device)
+        (SineMixing, "BLOCK_ELEMENTS"),  # sineSPE's mixing
+        (positional_spe, "SINE_TABLE_BLOCK_ELEMENTS"),  # sineSPE's position table
+    ]
+    saved = [(owner, name, getattr(owner, name)) for owner, name in settings]  # fails loudly if one was renamed
+    try:
+        for owner, name in settings:
+            setattr(owner, name, huge)
+        yield
+    finally:
+        for owner, name, value in saved:
+            setattr(owner, name, value)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Models and steps
+
+
+def build(name: str, layers: int, max_tokens: int, size=SIZE):
+    """``gpt2-sdpa`` or a LinearGPT positional encoding (a ``+fla`` suffix changes nothing here: see
+    ``fla_path``), ``layers`` deep."""
+    torch.manual_seed(0)
+    encoding = name.partition("+")[0]
+    if encoding == GPT2:
+        config = GPT2Config(
+            n_layer=layers, n_embd=size["hidden"], n_head=size["heads"], n_inner=size["ffn"],
+            vocab_size=size["vocab"], n_positions=max_tokens, bos_token_id=None, eos_token_id=None,
+            attn_pdrop=0.0,  # SDPA's dropout sends the CPU to its math path; a GPU's flash kernel takes dropout
+        )  # fmt: skip
+        return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    config = LinearGPTConfig(
+        num_hidden_layers=layers, hidden_size=size["hidden"], num_attention_heads=size["heads"],
+        intermediate_size=size["ffn"], vocab_size=size["vocab"], max_position_embeddings=max_tokens,
+        positional_encoding=encoding,
+    )  # fmt: skip
+    return LinearGPTForCausalLM(config)
+
+
+def decode_step(model, name: str, context: int, vocab: int):
+    """A function running one decoding step (batch 1) after a prompt of ``context`` tokens, and two warm-up steps."""
+    model.eval()
+    ids = torch.randint(0, vocab, (1, context))
+    with torch.no_grad():
+        cache = DynamicCache() if name.startswith(GPT2) else LinearAttentionCache(model.config.num_hidden_layers)
+        out = model(input_ids=ids, use_cache=True, logits_to_keep=1, **{CACHE_OUTPUT_FIELD: cache})
+        cache = out[CACHE_OUTPUT_FIELD]
+        token = out.logits[:, -1:].argmax(-1)
+
+    def step(forward=model):
+        nonlocal token
+        with torch.no_grad():
+            out = forward(input_ids=token, use_cache=True, **{CACHE_OUTPUT_FIELD: cache})
+        token = out.logits[:, -1:].argmax(-1)
+
+    return step
+
+
+def train_step(model, tokens: int, vocab: int):
+    """A function running forward and backward of the LM loss on one sequence (batch 1, train mode)."""
+    model.train()
+    ids = torch.randint(0, vocab, (1, tokens))
+
+    def step(forward=model):
+        model.zero_grad(set_to_none=True)
+        forward(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+
+    return step
+
+
+def make_step(task: str, model, name: str, size=SIZE):
+    if task == "decode":
+        return decode_step(model, name, DECODE_CONTEXT, size["vocab"])
+    return train_step(model, TRAIN_TOKENS, size["vocab"])
+
+
+def step_ops(task: str, name: str, layers: int, size=SIZE):
+    """The counted ops of one step of ``task`` ('decode' or 'train') of model ``name`` with ``layers`` layers."""
+    with one_block(), fla_path(on_fla(name)):
+        model = build(name, layers, DECODE_CONTEXT + 8, size)
+        step = make_step(task, model, name, size)
+        step()  # warm-up: lazily built tables, the first step's allocations
+        return profile_ops(step)
+
+
+def op_counts(task: str, name: str, size=SIZE) -> dict:
+    """Whole-model and per-layer counts of ``task`` for ``name``: per layer = (count(L) - count(1)) / (L - 1)."""
+    layers = size["layers"]
+    whole, whole_product, by_name = tally(step_ops(task, name, layers, size))
+    one, one_product, one_by_name = tally(step_ops(task, name, 1, size))
+    per_layer = (whole - one) / (layers - 1)
+    per_layer_by_name = {op: (by_name[op] - one_by_name[op]) / (layers - 1) for op in by_name | one_by_name}
+    return {
+        "whole": whole,
+        "per_layer": per_layer,
+        "outside": whole - layers * per_layer,
+        "product_per_layer": (whole_product - one_product) / (layers - 1),
+        "by_name": {op: n for op, n in per_layer_by_name.items() if n},
+    }
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The GPU's product path, stood in for on the CPU
+
+
+def fla_references():
+    """fla-core's torch references of chunk_simple_gla and fused_recurrent_simple_gla (``naive.py``, loaded from its
+    file: importing fla needs a GPU driver), or None where fla-core is not installed."""
+    spec = importlib.util.find_spec("fla")
+    if spec is None:
+        return None
+    path = Path(spec.submodule_search_locations[0]) / "ops" / "simple_gla" / "naive.py"
+    module_spec = importlib.util.spec_from_file_location("fla_simple_gla_naive", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module
+
+
+STAND_IN_CALLS = []  # (kernel, direction, (B, N, H, K), V) of each stood-in call, for the roofline
+_inside_stand_in = [0]  # > 0 while a stand-in computes: ``OpBytes`` records none of its ops
+
+
+def gates(q, g, g_gamma):
+    """fla's gate arguments as the references take them: per-token log gates (B, N, H) in float32."""
+    if g is not None:
+        return g.float()
+    per_head = g_gamma.float() if g_gamma is not None else q.new_zeros(q.shape[2], dtype=torch.float32)
+    return per_head.expand(*q.shape[:3])
+
+
+class StandInKernel(torch.autograd.Function):
+    """One of fla's kernels stood in by a torch function with its results: forward and backward each in one
+    profiler range that counts as fla's launches (``STAND_IN_PREFIX``), the stand-in's own ops not counted."""
+
+    @staticmethod
+    def forward(ctx, reference, launches, q, k, v, g, g_gamma, initial_state):
+        ctx.reference, ctx.launches = reference, launches
+        ctx.save_for_backward(q, k, v, g, g_gamma, initial_state)
+        STAND_IN_CALLS.append((reference.__name__, "forward", tuple(q.shape), v.shape[-1]))
+        with record_function(f"{STAND_IN_PREFIX}{launches['forward']}:{reference.__name__}"):
+            _inside_stand_in[0] += 1
+            try:
+                out, final = reference(q, k, v, gates(q, g, g_gamma), initial_state)
+                return out.to(q.dtype), final  # fla returns its output in q's dtype
+            finally:
+                _inside_stand_in[0] -= 1
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_final):
+        needs = ctx.needs_input_grad[2:]
+        inputs = [
+            x.detach().requires_grad_(need) if x is not None else None for x, need in zip(ctx.saved_tensors, needs)
+        ]
+        STAND_IN_CALLS.append((ctx.reference.__name__, "backward", tuple(inputs[0].shape), inputs[2].shape[-1]))
+        with record_function(f"{STAND_IN_PREFIX}{ctx.launches['backward']}:{ctx.reference.__name__}_backward"):
+            _inside_stand_in[0] += 1
+            try:
+                with torch.enable_grad():
+                    q, k, v, g, g_gamma, initial_state = inputs
+                    out, final = ctx.reference(q, k, v, gates(q, g, g_gamma), initial_state)
+                    out = out.to(q.dtype)
+                    wanted = [x for x, need in zip(inputs, needs) if need]
+                    pairs = [(y, dy) for y, dy in ((out, grad_out), (final, grad_final)) if y.requires_grad]
+                    grads = torch.autograd.grad(
+                        [y for y, _ in pairs], wanted, [dy for _, dy in pairs], allow_unused=True
+                    )
+                grads = iter(grads)
+                return (None, None, *[next(grads) if need else None for need in needs])
+            finally:
+                _inside_stand_in[0] -= 1
+
+
+def reference_kernels():
+    """fla's kernels as (chunk, step) torch functions of (q, k, v, g, initial_state) -> (out, final state): fla's own
+    torch references (``naive.py``), which compute what the kernels compute."""
+    naive = fla_references()
+    if naive is None:
+        raise SystemExit(
+            "the fla path needs fla-core installed (pip install -e '.[gpu]'): its torch references stand in"
+        )
+
+    def chunk_simple_gla(q, k, v, g, initial_state):
+        return naive.naive_chunk_simple_gla(q, k, v, g, initial_state, True, FLA_CHUNK, 1.0)
+
+    def fused_recurrent_simple_gla(q, k, v, g, initial_state):
+        return naive.naive_recurrent_simple_gla(q, k, v, g, 1.0, initial_state, True)
+
+    return chunk_simple_gla, fused_recurrent_simple_gla
+
+
+def shape_kernels():
+    """fla's kernels as functions giving results of the right shapes and dtypes only (zeros): for the roofline's
+    shape-only run, where values do not matter and the kernels' cost is fla_chunk_cost's."""
+
+    def chunk_simple_gla(q, k, v, g, initial_state):
+        B, N, H, K = q.shape
+        V = v.shape[-1]
+        out = q.new_zeros(B, N, H, V, dtype=torch.float32) + 0 * (q.sum() + k.sum() + v.sum())  # differentiable
+        return out, q.new_zeros(B, H, K, V, dtype=torch.float32)
+
+    chunk_simple_gla.__name__ = "chunk_simple_gla"
+    return chunk_simple_gla, chunk_simple_gla
+
+
+def stand_in_kernels(chunk_reference, step_reference):
+    """(chunked, one_step) with fla's signatures, computing with the given references, each under
+    ``torch.compiler.disable`` as fla's own entry points are (``chunk_simple_gla`` is decorated so, and fla's
+    backend dispatch wraps ``fused_recurrent_simple_gla`` so), so that dynamo breaks its graph where it would on
+    a GPU."""
+
+    @torch.compiler.disable
+    def chunked(q, k, v, g=None, g_gamma=None, scale=None, initial_state=None, output_final_state=False, **kwargs):
+        extra = int(g is not None)  # chunk_local_cumsum of per-token gates, each way
+        launches = {"forward": FLA_LAUNCHES["forward"] + extra, "backward": FLA_LAUNCHES["backward"] + extra}
+        return StandInKernel.apply(chunk_reference, launches, q, k, v, g, g_gamma, initial_state)
+
+    @torch.compiler.disable
+    def one_step(q, k, v, g=None, g_gamma=None, scale=None, initial_state=None, output_final_state=False, **kwargs):
+        launches = {"forward": FLA_STEP_LAUNCHES, "backward": 0}
+        return StandInKernel.apply(step_reference, launches, q, k, v, g, g_gamma, initial_state)
+
+    return chunked, one_step
+
+
+@contextlib.contextmanager
+def fla_path(kernels=None):
+    """With ``kernels`` ((chunk, step) references), CPU tensors take the causal product's GPU path: ``can_run``
+    answers yes where only the device stood in the way, and fla's kernels are stand-ins computing with them."""
+    if kernels is None:
+        yield
+        return
+    from lrpe_hf.modeling import attention_kernels, products_triton
+
+    stand_ins = stand_in_kernels(*kernels)
+    original_can_run, original_load = products_triton.can_run, products_triton.load_fla
+    kernels_can_run = attention_kernels.can_run
+
+    def can_run(q, v, with_denominator):
+        why_not = original_can_run(q, v, with_denominator)
+        return None if why_not == "its inputs are not on a CUDA device" else why_not
+
+    attention_kernels.can_run = products_triton.can_run = can_run
+    products_triton.load_fla = lambda: (stand_ins, None)
+    try:
+        yield
+    finally:
+        attention_kernels.can_run, products_triton.can_run = kernels_can_run, original_can_run
+        products_triton.load_fla = original_load
+
+
+def on_fla(name: str):
+    """The references a ``+fla`` model's product computes with, or None for the torch path."""
+    return reference_kernels() if name.endswith("+fla") else None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Compiled
+
+
+class GraphCounter:
+    """A torch.compile backend that runs each graph it is handed as it is, counting graphs compiled and runs. With
+    ``backward``, through AOTAutograd: forward and backward graphs, each counted."""
+
+    def __init__(self, backward: bool):
+        self.compiled = self.runs = 0
+        self.backward = backward
+
+    def counting(self, graph_module, example_inputs):
+        self.compiled += 1
+        if self.backward:  # AOTAutograd calls its compiled graphs with one list of arguments
+            from functorch.compile import make_boxed_func
+
+            boxed = make_boxed_func(graph_module.forward)
+
+            def run_boxed(args):
+                self.runs += 1
+                return boxed(args)
+
+            run_boxed._boxed_call = True
+            return run_boxed
+
+        def run(*args):
+            self.runs += 1
+            return graph_module.forward(*args)
+
+        return run
+
+    def backend(self):
+        if not self.backward:
+            return self.counting
+        from torch._dynamo.backends.common import aot_autograd
+
+        return aot_autograd(fw_compiler=self.counting, bw_compiler=self.counting)
+
+
+def first_line(error: BaseException, width: int = 160) -> str:
+    text = " ".join(str(error).split(" Explanation:")[0].split())
+    return f"{type(error).__name__}: {text}"[:width]
+
+
+def compiled_counts(task: str, name: str, size=SIZE) -> dict:
+    """``task``'s step under torch.compile after two warm-up steps: whether ``fullgraph=True`` compiles it (or its
+    first reason why not), the graphs run per step (a train step's forward and backward graphs, through
+    AOTAutograd), graphs compiled during the counted step (recompilations) and dynamo's graph-break reasons."""
+    from torch._dynamo.utils import counters
+
+    result = {}
+    with one_block(), fla_path(on_fla(name)):
+        model = build(name, size["layers"], DECODE_CONTEXT + 8, size)
+        step = make_step(task, model, name, size)
+        for fullgraph in (True, False) if task == "decode" else (False,):  # the targets ask it of decoding
+            torch._dynamo.reset()
+            counters.clear()
+            counter = GraphCounter(backward=task == "train")
+            compiled = torch.compile(model, backend=counter.backend(), fullgraph=fullgraph)
+            try:
+                step(compiled)
+                step(compiled)
+                compiled_before, runs_before = counter.compiled, counter.runs
+                step(compiled)
+            except Exception as error:  # fullgraph=True refused a break: say why, then count without it
+                if fullgraph:
+                    result["fullgraph"] = first_line(error)
+                    continue
+                result["error"] = first_line(error)
+                break
+            result.setdefault("fullgraph", "yes" if fullgraph else "not tried")
+            reasons = collections.Counter()
+            for reason, n in counters["graph_break"].items():
+                reasons[" ".join(reason.split(" Explanation:")[0].split())[:100]] += n
+            result.update(
+                graphs_per_step=counter.runs - runs_before,
+                recompiles=counter.compiled - compiled_before,
+                graph_breaks=sum(reasons.values()),
+                break_reasons="; ".join(f"{reason} (x{n})" for reason, n in reasons.most_common(3)),
+            )
+            break
+    torch._dynamo.reset()
+    return result
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Roofline
+
+GEMM_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::addbmm", "aten::mv", "aten::addmv"}
+ATTENTION_OPS = ("aten::_scaled_dot_product",)  # SDPA's kernels, forward and backward (flash_attention_for_cpu...)
+
+
+def tensor_bytes(t: torch.Tensor) -> int:
+    """Bytes of the distinct elements a tensor addresses (a broadcast dimension, stride 0, is read once)."""
+    return math.prod(size for size, stride in zip(t.shape, t.stride()) if stride != 0) * t.element_size()
+
+
+def gemm_flops(name: str, args) -> int:
+    """2 x the multiply-adds of a matmul-family op from its inputs' shapes."""
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    a, b = tensors[-2], tensors[-1]  # addmm/baddbmm/addbmm/addmv: (self, mat1, mat2)
+    if name in ("aten::mv", "aten::addmv"):
+        return 2 * a.shape[0] * a.shape[1]
+    batch = a.shape[0] if a.dim() == 3 and name != "aten::addbmm" else 1
+    if name == "aten::addbmm":
+        batch = a.shape[0]
+    return 2 * batch * a.shape[-2] * a.shape[-1] * b.shape[-1]
+
+
+class OpBytes(TorchDispatchMode):
+    """Every ATen op that reaches the dispatcher's backends (composite ops arrive decomposed; views, metadata and the
+    fla stand-ins' own work are left out, as the counting rule leaves them): its kind (gemm, attention, other),
+    its FLOPs (matmuls) and the bytes of its input and output tensors (an argument it writes counted once, as an
+    output)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []  # (name, kind, flops, bytes)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = func._schema.name
+        if _inside_stand_in[0] or not name.startswith("aten::") or computes(name) == "skip":  # prim:: is metadata
+            return out
+        written = {id(value) for argument, value in zip(func._schema.arguments, args) if argument.alias_info
+                   and argument.alias_info.is_write} | {id(kwargs[a.name]) for a in func._schema.arguments
+                   if a.name in kwargs and a.alias_info and a.alias_info.is_write}  # fmt: skip
+        leaves = torch.utils._pytree.tree_leaves
+        inputs = [t for t in leaves((args, kwargs)) if isinstance(t, torch.Tensor) and id(t) not in written]
+        outputs = [t for t in leaves(out) if isinstance(t, torch.Tensor)]
+        moved = sum(tensor_bytes(t) for t in inputs) + sum(tensor_bytes(t) for t in outputs)
+        if name in GEMM_OPS:
+            self.ops.append((name, "gemm", gemm_flops(name, args), moved))
+        elif name.startswith(ATTENTION_OPS):
+            self.ops.append((name, "attention", 0, moved))
+        else:
+            self.ops.append((name, "other", 0, moved))
+        return out
+
+
+def fla_chunk_cost(N: int, H: int, K: int, V: int, C: int = FLA_CHUNK, batch: int = 1) -> dict:
+    """FLOPs and HBM bytes of fla's chunk_simple_gla, forward and backward, from its algorithm (fla-core 0.6.0,
+    ops/simple_gla/chunk.py; N tokens, H heads, K query/key width, V value width, chunks of C, bf16 inputs):
+
+    - forward: chunk_fwd_h runs the state across the N/C chunks, h <- h + K_c^T V_c (2 C K V per chunk) and stores
+      each chunk's starting state (K x V, bf16); chunk_fwd_o computes O_c = Q_c h_c + tril(Q_c K_c^T) V_c
+      (2 C K V + 2 C^2 K + 2 C^2 V per chunk): 4 N K V + 2 N C (K + V) FLOPs;
+    - backward: chunk_fwd_h again (states in float32), chunk_bwd_dh (dh <- dh + Q_c^T dO_c), chunk_bwd_dqkwg
+      (dq = dO h^T + (dO V^T o mask) K, dk = V dh^T + (dO V^T o mask)^T Q), chunk_bwd_dv
+      (dv = tril(Q K^T)^T dO + K dh): 10 N K V + 6 N C K + 4 N C V FLOPs;
+
+    in all 14 N K V + 8 N C K + 6 N C V FLOPs per head. Bytes: each kernel reads its inputs and writes its
+    outputs once (tokens x width for q, k, v, o and their gradients at 2 bytes, the N/C states at 2 bytes in
+    forward and 4 in backward)."""
+    states = N // C * K * V  # elements of the per-chunk states
+    flops = 14 * N * K * V + 8 * N * C * K + 6 * N * C * V
+    forward = BF16 * (N * (K + V) + states) + (BF16 * (N * (2 * K + V) + states) + BF16 * N * V)
+    backward = (
+        BF16 * N * (K + V) + 4 * states  # chunk_fwd_h: k, v in; h out (float32)
+        + BF16 * N * (K + V) + 4 * states  # chunk_bwd_dh: q, dO in; dh out
+        + BF16 * N * (2 * K + 2 * V) + 2 * 4 * states + BF16 * 2 * N * K  # chunk_bwd_dqkwg: q, k, v, dO, h, dh; dq, dk
+        + BF16 * N * (2 * K + V) + 4 * states + BF16 * N * V  # chunk_bwd_dv: q, k, dO, dh in; dv out
+    )  # fmt: skip
+    return {"flops": batch * H * flops, "bytes": batch * H * (forward + backward)}
+
+
+def flash_attention_flops(N: int, d_model: int, batch: int = 1) -> float:
+    """Causal flash attention's FLOPs, forward and backward, summed over heads: 4 N^2 d per head forward (QK^T and
+    PV), halved by the causal mask, times 1 + FLASH_BACKWARD_OVER_FORWARD."""
+    return batch * 4 * N * N * d_model / 2 * (1 + FLASH_BACKWARD_OVER_FORWARD)
+
+
+@contextlib.contextmanager
+def gpu_dropout():
+    """``F.dropout`` in training as a GPU runs it, one ``native_dropout`` (on a CPU ATen's dropout makes a Bernoulli
+    mask and multiplies twice)."""
+    from torch.nn import functional as F
+
+    original = F.dropout
+
+    def dropout(input, p=0.5, training=True, inplace=False):
+        if training and 0 < p < 1:
+            return torch.native_dropout(input, p, True)[0]
+        return input
+
+    F.dropout = dropout
+    try:
+        yield
+    finally:
+        F.dropout = original
+
+
+def layer_ops(name: str, tokens: int, size=SIZE, fake: bool = True) -> tuple[list, list]:
+    """The ops (``OpBytes``) of one layer's bf16 train step (forward and backward of a random output gradient,
+    the input wanting its gradient as inside a stack) at ``tokens`` tokens, batch 1, and the fla stand-in calls:
+    a shape-only run (FakeTensorMode: the CPU code with the same shapes and dtypes, no arithmetic; a real bf16 run
+    at 32k takes minutes on a CPU), under CPU bf16 autocast, every input one block, the causal product on fla's
+    path (LinearGPT) and dropout as a GPU runs it. ``fake=False``: a real run (the tests compare the two)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    STAND_IN_CALLS.clear()
+    kernels = None if name == GPT2 else shape_kernels()
+    with FakeTensorMode() if fake else contextlib.nullcontext(), one_block(), fla_path(kernels), gpu_dropout():
+        model = build(name, 1, tokens, size)
+        layer = model.transformer.h[0] if name == GPT2 else model.model.stack.layers[0]
+        layer.train()
+        x = torch.randn(1, tokens, size["hidden"], requires_grad=True)
+        recorded = OpBytes()
+        with recorded, torch.autocast("cpu", dtype=torch.bfloat16):
+            out = layer(x)
+        out = out[0] if isinstance(out, tuple) else out
+        grad = torch.randn_like(out)
+        with recorded:
+            out.backward(grad)
+    return recorded.ops, list(STAND_IN_CALLS)
+
+
+def roofline_row(name: str, tokens: int, size=SIZE) -> dict:
+    """One layer's estimated H100 bf16 train step, by component (see the module's docstring)."""
+    ops, calls = layer_ops(name, tokens, size)
+    gemm_time = sum(
+        max(flops / (H100_BF16_FLOPS * GEMM_FRACTION), moved / (H100_HBM_BYTES_PER_S * HBM_FRACTION))
+        for _, kind, flops, moved in ops
+        if kind == "gemm"
+    )
+    gemm_flops_ = sum(flops for _, kind, flops, _ in ops if kind == "gemm")
+    other_bytes = sum(moved for _, kind, _, moved in ops if kind == "other")
+    launches = sum(1 for _, kind, _, _ in ops if kind != "attention")
+    if name == GPT2:
+        attention_flops = flash_attention_flops(tokens, size["hidden"])
+        attention_bytes = sum(moved for _, kind, _, moved in ops if kind == "attention")
+        attention_time = max(attention_flops / FLASH_ATTENTION_FLOPS, attention_bytes / H100_HBM_BYTES_PER_S)
+        launches += sum(FLASH_LAUNCHES.values())
+        attention = "SDPA flash"
+    else:
+        attention_flops = attention_bytes = attention_time = 0.0
+        for _, direction, (B, N, H, K), V in calls:
+            if direction != "forward":
+                continue  # fla_chunk_cost counts forward and backward
+            cost = fla_chunk_cost(N, H, K, V, batch=B)
+            attention_flops += cost["flops"]
+            attention_bytes += cost["bytes"]
+            attention_time += max(
+                cost["flops"] / (H100_BF16_FLOPS * FLA_FLOP_FRACTION),
+                cost["bytes"] / (H100_HBM_BYTES_PER_S * HBM_FRACTION),
+            )
+            launches += sum(FLA_LAUNCHES.values())
+        widths = sorted({f"{K}x{V}" for _, _, (_, _, _, K), V in calls})
+        attention = f"fla chunk_simple_gla (K x V {', '.join(widths)})"
+    other_time = other_bytes / (H100_HBM_BYTES_PER_S * HBM_FRACTION)
+    gpu_time = gemm_time + attention_time + other_time
+    launch_time = launches * LAUNCH_SECONDS
+    return {
+        "model": name,
+        "tokens": tokens,
+        "gemm_gflop": gemm_flops_ / 1e9,
+        "gemm_ms": 1e3 * gemm_time,
+        "attention": attention,
+        "attention_gflop": attention_flops / 1e9,
+        "attention_gb": attention_bytes / 1e9,
+        "attention_ms": 1e3 * attention_time,
+        "other_gb": other_bytes / 1e9,
+        "other_ms": 1e3 * other_time,
+        "launches": launches,
+        "launch_ms": 1e3 * launch_time,
+        "gpu_ms": 1e3 * gpu_time,
+        "eager_ms": 1e3 * max(gpu_time, launch_time),
+    }
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The run
+
+
+def ratio(value, baseline):
+    return value / baseline if baseline else float("nan")
+
+
+def eager_row(name: str, gpt2: dict | None, size=SIZE, bf16: bool = False) -> tuple[dict, dict]:
+    """The eager counts of ``name`` (over ``gpt2``'s, the GPT-2 row's counts; None for GPT-2 itself), and the
+    per-layer counts by op name of each step; with ``bf16``, a train step under bf16 autocast too (``train_bf16``:
+    autocast's casts are ops; on this CPU bf16 matmuls are slow, so it takes longer)."""
+    counts = {
+        "decode": op_counts("decode", name, size),
+        "train": op_counts("train", name, size),
+    }
+    if bf16:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            counts["train_bf16"] = op_counts("train", name, size)
+    gpt2 = gpt2 or counts
+    row = {"model": name}
+    for step, target in (("decode", TARGETS["decode"]), ("train", TARGETS["train"]), ("train_bf16", TARGETS["train"])):
+        if step not in counts:
+            continue
+        per_layer, over = counts[step]["per_layer"], ratio(counts[step]["per_layer"], gpt2[step]["per_layer"])
+        row[f"{step}_per_layer"] = per_layer
+        row[f"{step}_over_gpt2"] = round(over, 3)
+        row[f"{step}_met"] = over <= target
+        if step != "train_bf16":
+            row[f"{step}_product_per_layer"] = counts[step]["product_per_layer"]
+            row[f"{step}_whole"] = counts[step]["whole"]
+            row[f"{step}_outside_layers"] = counts[step]["outside"]
+    return row, counts
+
+
+def compiled_rows(name: str, steps, size=SIZE) -> list[dict]:
+    rows = []
+    for step in steps:
+        result = compiled_counts(step, name, size)
+        graphs = result.get("graphs_per_step")
+        rows.append(
+            {
+                "model": name,
+                "step": step,
+                "fullgraph": result.get("fullgraph", ""),
+                "graphs_per_step": graphs if graphs is not None else "",
+                "target": 1 if step == "decode" else "",
+                "met": (graphs == 1) if step == "decode" and graphs is not None else "",
+                "recompiles": result.get("recompiles", ""),
+                "graph_breaks": result.get("graph_breaks", ""),
+                "break_reasons": result.get("break_reasons", "") or result.get("error", ""),
+            }
+        )
+    return rows
+
+
+def top_ops(by_name: dict, n: int = 8) -> str:
+    ranked = sorted(by_name.items(), key=lambda kv: (-kv[1], kv[0]))[:n]
+    return ", ".join(f"{op.removeprefix('aten::')} {count:g}" for op, count in ranked)
+
+
+def markdown(rows: list[dict], columns: list[str]) -> list[str]:
+    def show(value):
+        if isinstance(value, float):
+            return f"{value:.3g}" if abs(value) < 100 else f"{value:,.0f}"
+        return str(value)
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(show(r.get(c, "")) for c in columns) + " |" for r in rows]
+    return lines
+
+
+def write_csv(path: Path, rows: list[dict]):
+    fields = list(dict.fromkeys(key for row in rows for key in row))
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+EAGER_COLUMNS = {
+    "decode": ["model", "decode_per_layer", "decode_over_gpt2", "decode_met", "decode_product_per_layer",
+               "decode_whole"],
+    "train": ["model", "train_per_layer", "train_over_gpt2", "train_met", "train_product_per_layer", "train_whole",
+              "train_bf16_per_layer", "train_bf16_over_gpt2", "train_bf16_met"],
+}  # fmt: skip
+COMPILED_COLUMNS = ["model", "step", "fullgraph", "graphs_per_step", "met", "recompiles", "graph_breaks",
+                    "break_reasons"]  # fmt: skip
+ROOFLINE_COLUMNS = ["model", "tokens", "gemm_gflop", "gemm_ms", "attention_gflop", "attention_gb", "attention_ms",
+                    "other_gb", "other_ms", "launches", "launch_ms", "gpu_ms", "eager_ms", "gpt2_over_it"]  # fmt: skip
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--encodings", nargs="+", default=list(lrpe_hf.POSITIONAL_ENCODINGS))
+    parser.add_argument(
+        "--fla",
+        action=argparse.BooleanOptionalAction,
+        default=importlib.util.find_spec("fla") is not None,
+        help="add +fla rows: the product on fla's path, fla's kernels stood in by its torch references (default: "
+        "where fla-core is installed)",
+    )
+    parser.add_argument(
+        "--compiled",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="count graphs: decoding for every model, the train step for GPT-2 and the torch path",
+    )
+    parser.add_argument("--bf16", action="store_true", help="add the train step under bf16 autocast (slow on a CPU)")
+    parser.add_argument("--roofline", action=argparse.BooleanOptionalAction, default=True)
+    default_encoding = LinearGPTConfig().positional_encoding
+    parser.add_argument("--roofline-encodings", nargs="+", default=[default_encoding, "none"])
+    parser.add_argument("--roofline-tokens", type=int, nargs="+", default=list(ROOFLINE_TOKENS))
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (the counts do not depend on it)")
+    parser.add_argument("--output_dir", "--out", type=Path, default=Path(__file__).parent / "results" / "ops")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    torch._logging.set_logs(dynamo=logging.ERROR)  # graph breaks are counted, not printed
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    names = [GPT2] + args.encodings + ([f"{e}+fla" for e in args.encodings] if args.fla else [])
+    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}; models: {' '.join(names)}", flush=True)
+
+    eager, compiled, per_op, gpt2 = [], [], {}, None
+    for name in names:
+        row, counts = eager_row(name, gpt2, SIZE, args.bf16)
+        gpt2 = gpt2 or counts
+        eager.append(row)
+        per_op[name] = counts
+        print(
+            f"{name}: decode {row['decode_per_layer']:g} ops/layer ({row['decode_over_gpt2']:.2f}x GPT-2), train "
+            f"{row['train_per_layer']:g} ({row['train_over_gpt2']:.2f}x)",
+            flush=True,
+        )
+        if args.compiled:
+            steps = ("decode",) if name.endswith("+fla") else ("decode", "train")
+            rows = compiled_rows(name, steps, SIZE)
+            compiled += rows
+            print("  compiled: " + "; ".join(f"{r['step']} {r['graphs_per_step']} graphs/step, fullgraph "
+                                             f"{r['fullgraph'][:60]}" for r in rows), flush=True)  # fmt: skip
+
+    roofline = []
+    if args.roofline:
+        for tokens in args.roofline_tokens:
+            rows = [roofline_row(name, tokens, SIZE) for name in [GPT2] + args.roofline_encodings]
+            for row in rows:
+                row["gpt2_over_it"] = round(rows[0]["gpu_ms"] / row["gpu_ms"], 3)
+            roofline += rows
+
+    shown = {GPT2, default_encoding, "none", f"{default_encoding}+fla", "none+fla"}
+    top = [
+        {"model": name, "step": step, "ops_per_layer": per_op[name][step]["per_layer"],
+         "top_ops_per_layer": top_ops(per_op[name][step]["by_name"])}
+        for step in ("decode", "train") for name in names if name in shown
+    ]  # fmt: skip
+
+    write_provenance(args.output_dir / "ops.json", "cpu")
+    write_csv(args.output_dir / "ops.csv", eager)
+    write_csv(args.output_dir / "top_ops.csv", top)
+    if compiled:
+        write_csv(args.output_dir / "compiled.csv", compiled)
+    if roofline:
+        write_csv(args.output_dir / "roofline.csv", roofline)
+
+    report = [
+        "ATen ops per layer, counted by torch.profiler on the CPU (a stand-in for a GPU's kernel launches), per layer "
+        "= (count(6 layers) - count(1 layer)) / 5; targets: decoding <= 1.5x GPT-2, train step <= 2x.",
+        "",
+        f"Decoding step (batch 1, after {DECODE_CONTEXT} tokens, fp32):",
+        "",
+        *markdown(eager, EAGER_COLUMNS["decode"]),
+        "",
+        f"Train step (forward + backward, batch 1, {TRAIN_TOKENS} tokens, one block; fp32, and bf16 autocast with "
+        "--bf16):",
+        "",
+        *markdown(eager, [c for c in EAGER_COLUMNS["train"] if c in eager[0]]),
+    ]
+    if compiled:
+        report += ["", "Compiled (graphs dynamo hands its backend; target: decoding one graph per step):", ""]
+        report += markdown(compiled, COMPILED_COLUMNS)
+    report += ["", "Top ops per layer:", "", *markdown(top, ["model", "step", "ops_per_layer", "top_ops_per_layer"])]
+    if roofline:
+        report += [
+            "",
+            "Roofline ESTIMATE of one layer's bf16 train step on an H100 (not measured; assumptions in the script):",
+            "",
+            *markdown(roofline, ROOFLINE_COLUMNS),
+        ]
+    print("\n" + "\n".join(report))
+    details = ["", "Per-layer counts by op, every model:", ""]
+    for name in names:
+        for step in per_op[name]:
+            details.append(f"- {name}, {step}: {top_ops(per_op[name][step]['by_name'], n=100)}")
+    (args.output_dir / "ops.md").write_text("\n".join(report + details) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,153 @@
+"""benchmarks/count_ops.py: its counting rule, the per-layer share, the fla stand-ins and the roofline's inputs, on
+tiny models (the figures themselves are the script's, run by hand)."""
+
+import importlib
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+count_ops = importlib.import_module("count_ops")
+
+TINY = dict(layers=2, hidden=32, heads=2, ffn=128, vocab=64)  # ffn = 4 x hidden, as GPT-2's
+
+
+def counted(fn):
+    return [name for name, _, _ in count_ops.profile_ops(fn)]
+
+
+class OnlyViews(torch.nn.Module):
+    def forward(self, x):
+        y = x.view(2, 3, 4).transpose(0, 1).unsqueeze(0).expand(5, -1, -1, -1)[1:, :, 0].permute(2, 0, 1)
+        z = x.reshape(4, 6).t().t().contiguous()  # reshape and contiguous where the layout allows: no copy
+        return y, z, x.to(x.dtype), x.detach(), torch.empty_like(x), x.flatten().unflatten(0, (6, 4)), x.unbind(1)
+
+
+def test_copies_behind_views_count():
+    x = torch.randn(6, 4)
+    expanded = x.unsqueeze(0).expand(3, -1, -1)
+    assert counted(lambda: expanded.reshape(-1, 4)) == ["aten::clone"]  # reshape is composite: its copy counts
+
+
+def test_a_forward_of_views_counts_nothing():
+    x = torch.randn(6, 4)
+    assert counted(lambda: OnlyViews()(x)) == []
+
+
+def test_each_op_that_computes_counts_once_not_its_children():
+    x, w, b = torch.randn(5, 4), torch.randn(3, 4), torch.randn(3)
+    assert counted(lambda: F.linear(x, w, b)) == ["aten::addmm"]  # linear is composite: its addmm counts
+    assert counted(lambda: x.to(torch.float64)) == ["aten::_to_copy"]  # not its empty_strided and copy_
+    assert counted(lambda: x.t().contiguous()) == ["aten::clone"]
+    assert counted(lambda: (x + 1).exp_().sum()) == ["aten::add", "aten::exp_", "aten::sum"]
+    assert counted(lambda: F.dropout(x, 0.5, training=False)) == []
+    assert counted(lambda: F.dropout(x, 0.5, training=True)) == ["aten::dropout"]  # fused: 1, whatever the CPU ran
+    q = torch.randn(1, 2, 8, 4)
+    assert counted(lambda: F.scaled_dot_product_attention(q, q, q, is_causal=True)) == [
+        "aten::scaled_dot_product_attention"
+    ]
+
+
+def test_backward_ops_count_and_the_product_is_told_apart():
+    from lrpe_hf.modeling.attention_kernels import causal_linear_attention
+
+    q, k, v = (torch.rand(1, 2, 16, 4, requires_grad=True) for _ in range(3))
+
+    def step():
+        out, _, _ = causal_linear_attention(q, k, v, chunk_size=8)
+        (out * 2).sum().backward()
+
+    ops = count_ops.profile_ops(step)
+    inside = [name for name, _, product in ops if product]
+    outside = [name for name, _, product in ops if not product]
+    assert inside and sorted(outside) == ["aten::mul", "aten::mul", "aten::ones_like", "aten::sum"]  # the loss
+
+
+@pytest.mark.parametrize("task", ["decode", "train"])
+def test_per_layer_is_the_share_each_layer_adds(task):
+    """Layers are alike: a third adds what the second added; the per-layer count and what lies outside the layers
+    make up the whole model's count."""
+    name = "rope"
+    counts = count_ops.op_counts(task, name, TINY)  # 2 layers against 1
+    three = count_ops.tally(count_ops.step_ops(task, name, 3, TINY))[0]
+    assert three - counts["whole"] == counts["per_layer"] > 0
+    assert counts["whole"] == TINY["layers"] * counts["per_layer"] + counts["outside"]
+    assert 0 < counts["product_per_layer"] < counts["per_layer"]
+    assert sum(counts["by_name"].values()) == counts["per_layer"]
+
+
+def test_gpt2_counts_one_attention_per_layer_and_more_ops_in_training():
+    decode = count_ops.op_counts("decode", count_ops.GPT2, TINY)
+    train = count_ops.op_counts("train", count_ops.GPT2, TINY)
+    assert 0 < decode["per_layer"] < train["per_layer"]
+    assert decode["by_name"]["aten::scaled_dot_product_attention"] == 1
+    assert decode["product_per_layer"] == 0 and decode["outside"] > 0
+
+
+def test_the_fla_path_counts_fla_launches_and_computes_what_the_torch_path_does():
+    fla = count_ops.op_counts("train", "none+fla", TINY)
+    assert fla["by_name"]["fla::chunk_simple_gla"] == count_ops.FLA_LAUNCHES["forward"]
+    assert fla["by_name"]["fla::chunk_simple_gla_backward"] == count_ops.FLA_LAUNCHES["backward"]
+    assert fla["product_per_layer"] >= sum(count_ops.FLA_LAUNCHES.values())
+    losses, grads = [], []
+    for name in ("none", "none+fla"):
+        with count_ops.fla_path(count_ops.on_fla(name)):
+            model = count_ops.build(name, 2, 64, TINY).eval()  # eval: no dropout
+            ids = torch.randint(0, TINY["vocab"], (1, 40), generator=torch.Generator().manual_seed(0))
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+        losses.append(loss.detach())
+        grads.append(model.model.stack.layers[0].self_attn.q_proj.weight.grad)
+    torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-4, atol=1e-6)
+
+
+def test_graph_counter_counts_each_graph_run_and_the_breaks():
+    counter = count_ops.GraphCounter(backward=False)
+
+    def fn(x):
+        x = x.sin()
+        torch._dynamo.graph_break()
+        return x.cos()
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend=counter.backend())
+    compiled(torch.randn(4))
+    runs = counter.runs
+    compiled(torch.randn(4))
+    assert counter.runs - runs == 2 and counter.compiled == 2
+    torch._dynamo.reset()
+
+
+def test_one_block_sets_every_blocking_constant_and_restores_it():
+    from lrpe_hf.modeling import products_shared
+
+    before = products_shared.BLOCK_ELEMENTS
+    with count_ops.one_block():
+        assert products_shared.heads_per_block(8, 32768 // 64, 64) == 8  # every head of a 32k input at once
+    assert products_shared.BLOCK_ELEMENTS == before
+
+
+def test_the_roofline_gemms_are_the_projections_and_mlp_and_fake_bytes_are_real_bytes():
+    """GPT-2's layer: 72 N d^2 GEMM FLOPs (forward + backward of 12 d^2 per token); a shape-only (fake) run records
+    the ops and bytes a real run records."""
+    tokens, d = 64, TINY["hidden"]
+    ops, _ = count_ops.layer_ops(count_ops.GPT2, tokens, TINY)
+    assert sum(flops for _, kind, flops, _ in ops if kind == "gemm") == 72 * tokens * d * d
+    for name in (count_ops.GPT2, "rope"):
+        fake, fake_calls = count_ops.layer_ops(name, tokens, TINY)
+        real, real_calls = count_ops.layer_ops(name, tokens, TINY, fake=False)
+        assert [(n, kind, moved) for n, kind, _, moved in fake] == [(n, kind, moved) for n, kind, _, moved in real]
+        assert fake_calls == real_calls
+    assert [call[1] for call in fake_calls] == ["forward", "backward"]
+
+
+def test_fla_cost_is_linear_in_tokens_and_flash_attention_quadratic():
+    one, two = count_ops.fla_chunk_cost(8192, 8, 64, 64), count_ops.fla_chunk_cost(16384, 8, 64, 64)
+    assert two["flops"] == 2 * one["flops"] and two["bytes"] == 2 * one["bytes"]
+    assert count_ops.flash_attention_flops(16384, 512) == 4 * count_ops.flash_attention_flops(8192, 512)
+    # per head: 14 N K V + 8 N C K + 6 N C V
+    assert one["flops"] == 8 * 8192 * (14 * 64 * 64 + 8 * 64 * 64 + 6 * 64 * 64)
