@@ -8,6 +8,7 @@ import warnings
 
 import pytest
 import torch
+from conftest import SECOND_FEATURE_MAP
 from torch.nn import functional as F
 from transformers import (
     AutoConfig,
@@ -257,6 +258,34 @@ def test_compiled_training_layer_has_the_eager_values_and_gradients(encoding, mo
     torch.testing.assert_close(got, expected)
     for g, w in zip(torch.autograd.grad(got, inputs, grad), torch.autograd.grad(expected, inputs, grad)):
         torch.testing.assert_close(g, w)
+
+
+COMPILED_LAYERS = [(encoding, feature_map) for encoding in lrpe_hf.POSITIONAL_ENCODINGS if encoding != "spe_conv"
+                   for feature_map in ("elu", SECOND_FEATURE_MAP[encoding])]  # fmt: skip
+
+
+@pytest.mark.parametrize("encoding, feature_map", COMPILED_LAYERS)
+def test_a_causal_layer_compiles_to_one_graph_with_the_eager_values_and_gradients(encoding, feature_map):
+    """torch.compile(fullgraph=True) of a causal layer with gradients: one graph (no break, no host read), the
+    causal product one custom op in it (lrpe_hf::causal_product), and the eager layer's outputs and gradients over
+    padding and several chunks. (convSPE reads its noise at the positions' values: it breaks the graph.)"""
+    torch.manual_seed(0)
+    layer = lrpe_hf.LinearAttention(32, 4, positional_encoding=encoding, feature_map=feature_map, causal=True,
+                                    max_positions=256, spe_realizations=8).eval()  # fmt: skip
+    x = torch.randn(2, 130, 32, requires_grad=True)
+    mask = torch.ones(2, 130, dtype=torch.bool)
+    mask[0, :5] = False
+    inputs = [x] + [p for p in layer.parameters() if p.requires_grad]
+    expected = layer(x, attention_mask=mask)
+    grad = torch.randn_like(expected)
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(layer)(x, attention_mask=mask)
+    assert explained.graph_break_count == 0 and explained.graph_count == 1
+    assert "lrpe_hf.causal_product" in explained.graphs[0].code
+    got = torch.compile(layer, backend="aot_eager", fullgraph=True)(x, attention_mask=mask)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
+    for g, w in zip(torch.autograd.grad(got, inputs, grad), torch.autograd.grad(expected, inputs, grad)):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("encoding", ["permute", "fastrpb", "spe_sine", "lrpe_orthogonal"])

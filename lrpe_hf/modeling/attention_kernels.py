@@ -22,6 +22,7 @@ from torch.nn import functional as F
 
 from .gradients import wants_gradient
 from .products_chunked import ChunkedCausalProduct
+from .products_custom_op import compiled_causal_product
 from .products_gated import gated_chunks, recurrent_step
 from .products_shared import chunk_length, divide_rows, product_dtype
 from .products_triton import can_run, fla_causal_product
@@ -76,6 +77,13 @@ def causal_linear_attention(
         raise ValueError("divide_eps needs with_denominator=True and inputs that want no gradient")
     B, H, N, m = q.shape
     C, dtype = chunk_length(N, chunk_size), product_dtype(q, v)
+    if torch.compiler.is_compiling() and N > 1:  # one opaque op in the graph (a decoding step's is plain ops)
+        out, denominator, final = compiled_causal_product(
+            q, k, v, log_gates, initial_state, chunk_size, resets, with_denominator, dtype, backend
+        )
+        if divide_eps is not None:
+            out = divide_rows(out, denominator, divide_eps)[0]
+        return out, denominator, final
     why_not = "the torch backend was chosen" if backend == "torch" else can_run(q, v, with_denominator)
     if backend == "triton" and why_not:
         raise ValueError(f"kernel_backend='triton' cannot run this product: {why_not}; 'auto' falls back to torch")

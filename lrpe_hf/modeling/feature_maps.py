@@ -127,6 +127,8 @@ class EluFeatureMap(FeatureMap):
     """phi(x) = 1 + elu(x) (Katharopoulos et al. 2020, eq. 7), the LRPE paper's baseline kernel."""
 
     def forward(self, x):
+        if torch.compiler.is_compiling():  # plain ops, which the compiler fuses and differentiates (not elu's
+            return x.clamp_min(0.0) + x.clamp_max(0.0).exp()  # backward: its strides disagree with its meta's)
         return ShiftedElu.apply(x) if wants_gradient(x) else shifted_elu(x)
 
     def in_place(self, x):

@@ -42,8 +42,9 @@ class DivideByDenominator(torch.autograd.Function):
 
     @staticmethod
     def divide(numerator, denominator, eps, guard=None):
-        """The division, through autograd only when a gradient is wanted."""
-        if wants_gradient(numerator, denominator, eps):
+        """The division, through this Function only when a gradient is wanted and the code runs eagerly (a compiler
+        differentiates the plain division itself)."""
+        if wants_gradient(numerator, denominator, eps) and not torch.compiler.is_compiling():
             return DivideByDenominator.apply(numerator, denominator, eps, guard)
         return divide_rows(numerator, denominator, eps, guard)[0]
 

@@ -127,7 +127,7 @@ class LRPEUnitary(PositionalEncoding):
 
     def encode_features(self, q, k, positions):
         q, k = self.p(q), self.p(k)
-        if wants_gradient(q, k, self.angles):
+        if wants_gradient(q, k, self.angles) and not torch.compiler.is_compiling():  # compiled: plain, fused ops
             return UnitaryLift.apply(q, k, positions, self.angles, self.axis)
         return lift(q, k, unit_angles(positions, self.angles, self.axis, q.dtype))
 

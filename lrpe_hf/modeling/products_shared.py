@@ -81,9 +81,12 @@ def divide_rows(numerator: torch.Tensor, denominator: torch.Tensor, eps, guard=N
     """numerator (B, H, N, d) / guard(denominator (B, H, N, 1) + eps), written in the memory order (B, N, H, d)
     that the output projection reads: the heads are merged by a view, not by one more copy. ``eps`` is a number
     or a tensor broadcastable to (B, H, N, 1); ``guard`` maps the denominator before its reciprocal is taken
-    (``nonzero``), or is None. Returns the result and the reciprocal (B, H, N, 1)."""
+    (``nonzero``), or is None. Returns the result and the reciprocal (B, H, N, 1). Compiled: plain differentiable
+    ops, which the compiler fuses."""
     denominator = denominator + eps
     reciprocal = (guard(denominator) if guard else denominator).reciprocal()
+    if torch.compiler.is_compiling():  # the compiler chooses the layout (and takes no out= views)
+        return numerator * reciprocal, reciprocal
     B, H, N, d = numerator.shape
     return torch.mul(numerator, reciprocal, out=numerator.new_empty(B, N, H, d).transpose(1, 2)), reciprocal
 
