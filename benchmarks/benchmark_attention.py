@@ -2,12 +2,16 @@
 
 Two parts, measured side by side in one run (the machine may be shared and noisy, so compare ratios):
 
-1. Kernels: causal attention alone from q, k, v (B=1, 8 heads x 64, forward): SDPA against the chunked
-   linear-attention product (elu features) as the layers run it (``kernel_backend`` auto: fla-core's Triton kernel
-   for CUDA tensors where installed) and, on CUDA with fla-core, fla's ``chunk_simple_gla`` called directly.
+1. Kernels: causal attention alone from q, k, v (B=1, 8 heads x 64), forward and forward+backward: SDPA against
+   the chunked linear-attention product (elu features) as the layers run it, with its denominator, its division
+   and its final state (``kernel_backend`` auto: fla-core's Triton kernels for CUDA tensors where installed) and,
+   on CUDA with fla-core, fla's own normalised linear attention doing the same work (``chunk_linear_attn`` with
+   ``normalize=True``: the denominator from key prefix sums, and the final state).
 2. Layers: ``LinearAttention`` (hidden 512, 8 heads) per encoding, causal and bidirectional: forward time,
    forward+backward time and peak memory of forward+backward, next to the same layer with softmax attention,
    and next to the layer's floor: its four projections alone (forward, and forward+backward), in the same child.
+   On CUDA with the ``flash-linear-attention`` package, fla's own layer (``fla.layers.LinearAttention``, elu map,
+   the same denominator, no output norm) is the layer baseline (row ``fla-layer``).
 
 On a CPU every configuration runs in a forked child process, so that its peak resident memory can be read; on
 CUDA it runs in this process and its memory is the allocator's peak, reset before it.
@@ -22,6 +26,7 @@ date) to ``--out`` and prints the summary of ratios.
 
 import argparse
 import csv
+import importlib.util
 from pathlib import Path
 
 import torch
@@ -39,24 +44,49 @@ FLOOR_KEYS = ("forward_ms", "train_ms", "floor_forward_ms", "floor_train_ms")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
+def kernel_call(kind, q, k, v):
+    """One causal attention from q, k, v (B, H, N, 64) (features made beforehand for the linear kinds): the output,
+    and for the linear kinds the final state, as a layer needs them."""
+    if kind == "sdpa":
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    if kind == "fla":  # fla's normalised linear attention, in its own layout (B, N, H, 64)
+        from fla.ops.linear_attn import chunk_linear_attn
+
+        out, _ = chunk_linear_attn(q, k, v, scale=1.0, output_final_state=True, normalize=True)
+        return out
+    out, denominator, _ = causal_linear_attention(q, k, v, with_denominator=True)
+    return out / (denominator + 1e-6)
+
+
 def kernel_row(kind, tokens, device, reps, dtype=torch.float32):
     def run():
         torch.manual_seed(0)
         q, k, v = (torch.randn(1, HEADS, tokens, 64, device=device, dtype=dtype) for _ in range(3))
-        with torch.no_grad():
-            if kind == "sdpa":
-                ms = timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), device, reps)
-            elif kind == "fla":  # fla's kernel alone, in its own layout, the features made beforehand
-                from fla.ops.simple_gla import chunk_simple_gla
+        if kind != "sdpa":
+            q, k = F.elu(q) + 1, F.elu(k) + 1
+        if kind == "fla":
+            q, k, v = (x.transpose(1, 2).contiguous() for x in (q, k, v))
+        inputs = [x.detach().requires_grad_() for x in (q, k, v)]
 
-                fq, fk, fv = ((F.elu(x) + 1).transpose(1, 2).contiguous() for x in (q, k, v))
-                ms = timed(lambda: chunk_simple_gla(fq, fk, fv, scale=1.0), device, reps)
-            else:
-                fq, fk = F.elu(q) + 1, F.elu(k) + 1
-                ms = timed(lambda: causal_linear_attention(fq, fk, v, with_denominator=True), device, reps)
-        return {"forward_ms": ms}
+        def train_step():
+            kernel_call(kind, *inputs).float().sum().backward()
+
+        with torch.no_grad():
+            forward = timed(lambda: kernel_call(kind, q, k, v), device, reps)
+        return {"forward_ms": forward, "train_ms": timed(train_step, device, reps)}
 
     return in_child(run, device)
+
+
+def fla_layer(hidden, heads):
+    """flash-linear-attention's own linear-attention layer, configured as ours: elu features, the denominator
+    (``do_feature_map_norm``), no output norm."""
+    from fla.layers import LinearAttention as FlaLinearAttention
+
+    return FlaLinearAttention(
+        mode="chunk", hidden_size=hidden, num_heads=heads, feature_map="elu", do_feature_map_norm=True,
+        output_norm="identity",
+    )  # fmt: skip
 
 
 def layer_row(encoding, attention, causal, tokens, device, reps, compile_layer=False, dtype=torch.float32):
@@ -65,8 +95,11 @@ def layer_row(encoding, attention, causal, tokens, device, reps, compile_layer=F
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
         baseline = resident_mb()
-        options = dict(positional_encoding=encoding, causal=causal, attention=attention, max_positions=tokens)
-        layer = lrpe_hf.LinearAttention(HIDDEN, HEADS, **options).to(device)
+        if attention == "fla":
+            layer = fla_layer(HIDDEN, HEADS).to(device)
+        else:
+            options = dict(positional_encoding=encoding, causal=causal, attention=attention, max_positions=tokens)
+            layer = lrpe_hf.LinearAttention(HIDDEN, HEADS, **options).to(device)
         run_layer = torch.compile(layer) if compile_layer else layer
         x = torch.randn(1, tokens, HIDDEN, device=device, requires_grad=True)
 
@@ -75,6 +108,7 @@ def layer_row(encoding, attention, causal, tokens, device, reps, compile_layer=F
         def train_step():
             with autocast:
                 out = run_layer(x)
+            out = out[0] if isinstance(out, tuple) else out  # fla's layer returns (out, attentions, cache)
             out.float().sum().backward()
 
         def projections():  # the floor: the layer's four projections alone, on inputs of the same shape
@@ -132,12 +166,16 @@ def main():
     variants = [(e, "linear") for e in args.encodings] + [("none", "softmax"), ("rope", "softmax")]
     if args.compile:
         variants += [(e, "compiled") for e in args.encodings]
+    if args.device == "cuda" and importlib.util.find_spec("fla.layers") is not None:
+        variants += [("none", "fla")]
     for causal in [mode == "causal" for mode in args.modes]:
         for tokens in args.lengths:
             for encoding, attention in variants:
                 if attention == "softmax" and tokens > args.softmax_max:
                     continue
                 if encoding == "spe_conv" and tokens > args.spe_conv_max:
+                    continue
+                if attention == "fla" and not causal:
                     continue
                 compiled = attention == "compiled"
                 result = layer_row(
@@ -150,9 +188,8 @@ def main():
                     compiled,
                     dtype,
                 )
-                name = {"linear": encoding, "softmax": f"softmax+{encoding}", "compiled": f"compiled {encoding}"}[
-                    attention
-                ]
+                names = {"linear": encoding, "softmax": f"softmax+{encoding}", "compiled": f"compiled {encoding}"}
+                name = names.get(attention, "fla-layer")
                 rows.append(
                     {
                         "part": "layer",
@@ -207,6 +244,12 @@ def summary(rows):
                 f"- causal kernel at {tokens}: SDPA {sdpa:.1f} ms, linear {linear:.1f} ms, "
                 f"speed-up {sdpa / linear:.1f}x"
             )
+        ours, fla = (lookup(rows, "kernel", k, "causal", tokens, "train_ms") for k in ("linear", "fla"))
+        if ours and fla:
+            lines.append(f"- causal kernel forward+backward at {tokens}: ours {ours / fla:.2f}x fla's ({fla:.1f} ms)")
+        ours, fla = (lookup(rows, "layer", k, "causal", tokens, "train_ms") for k in ("none", "fla-layer"))
+        if ours and fla:
+            lines.append(f"- causal layer fwd+bwd at {tokens}: none {ours / fla:.2f}x fla-layer ({fla:.0f} ms)")
     for mode in ("causal", "bidirectional"):
         for tokens in sorted({r["tokens"] for r in rows if r["part"] == "layer" and r["mode"] == mode}):
             row = {k: lookup(rows, "layer", "none", mode, tokens, k) for k in FLOOR_KEYS}
