@@ -11,12 +11,13 @@ math path, a GPU's flash kernel takes it inside).
    - a decoding step: one new token after a prompt of 256 tokens (prefill with the cache, then two warm-up
      steps), batch 1, eval mode, no gradient;
    - a train step: forward and backward of the LM loss on one sequence of 128 tokens, batch 1, train mode
-     (dropout on), fp32 (``--bf16`` adds one under bf16 autocast, whose casts are ops too). The CPU path splits
-     long inputs into blocks sized for a CPU's caches; ``one_block`` sets every constant that sizes them
-     (``products_shared.BLOCK_ELEMENTS`` for the chunked products' heads, ``feature_maps.ELEMENTWISE_BLOCK``,
-     ``lm_loss.ROWS_PER_BLOCK``, ``positional_fastrpb.TRANSPOSE_BLOCK``, the positional transforms'
-     ``BLOCK_ELEMENTS``...) to 2**62, so that every input is one block, as a GPU wants. At 128 tokens nothing
-     would split anyway; the roofline's 8k and 32k inputs would.
+     (dropout on), fp32 (``--bf16`` adds one under bf16 autocast, as a GPU trains: its casts are ops too, and
+     the MLP takes its plain path, eager and compiled). The CPU path splits long inputs into blocks sized for a
+     CPU's caches; ``one_block`` sets every constant that sizes them (``products_shared.BLOCK_ELEMENTS`` for the
+     chunked products' heads, ``feature_maps.ELEMENTWISE_BLOCK``, ``lm_loss.ROWS_PER_BLOCK``,
+     ``positional_fastrpb.TRANSPOSE_BLOCK``, the positional transforms' ``BLOCK_ELEMENTS``...) to 2**62, so that
+     every input is one block, as a GPU wants. At 128 tokens nothing would split anyway; the roofline's 8k and 32k
+     inputs would.
 
    **The counting rule** (``counted_ops``). The profiler's events form a call tree. Walking it from the top, an
    ATen op (an event named ``aten::*``) is
@@ -832,9 +833,12 @@ def eager_row(name: str, gpt2: dict | None, size=SIZE, bf16: bool = False) -> tu
 
 
 def compiled_rows(name: str, steps, size=SIZE) -> list[dict]:
+    """``compiled_counts`` of each of ``steps``: 'decode', 'train', or 'train_bf16' (the train step under bf16
+    autocast, as a GPU trains: some paths differ, the MLP's recomputing Function is for fp32)."""
     rows = []
     for step in steps:
-        result = compiled_counts(step, name, size)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=step == "train_bf16"):
+            result = compiled_counts(step.removesuffix("_bf16"), name, size)
         graphs = result.get("graphs_per_step")
         rows.append(
             {
@@ -904,7 +908,9 @@ def main():
         default=True,
         help="count graphs: decoding for every model, the train step for GPT-2 and the torch path",
     )
-    parser.add_argument("--bf16", action="store_true", help="add the train step under bf16 autocast (slow on a CPU)")
+    parser.add_argument(
+        "--bf16", action="store_true", help="add the train step under bf16 autocast, eager and compiled (slow on a CPU)"
+    )
     parser.add_argument("--roofline", action=argparse.BooleanOptionalAction, default=True)
     default_encoding = LinearGPTConfig().positional_encoding
     parser.add_argument("--roofline-encodings", nargs="+", default=[default_encoding, "none"])
@@ -930,7 +936,7 @@ def main():
             flush=True,
         )
         if args.compiled:
-            steps = ("decode",) if name.endswith("+fla") else ("decode", "train")
+            steps = ("decode",) if name.endswith("+fla") else ("decode", "train") + ("train_bf16",) * args.bf16
             rows = compiled_rows(name, steps, SIZE)
             compiled += rows
             print("  compiled: " + "; ".join(f"{r['step']} {r['graphs_per_step']} graphs/step, fullgraph "
