@@ -504,20 +504,27 @@ def fla_path(kernels=None):
     from lrpe_hf.modeling import attention_kernels, products_triton
 
     stand_ins = stand_in_kernels(*kernels)
-    original_can_run, original_load = products_triton.can_run, products_triton.load_fla
-    kernels_can_run = attention_kernels.can_run
+    saved = [(module, name, getattr(module, name, None)) for module, name in (
+        (attention_kernels, "can_run"), (products_triton, "can_run"), (products_triton, "load_fla"),
+        (products_triton, "on_kernel_device"),
+    )]  # fmt: skip
+    original_can_run = products_triton.can_run
 
-    def can_run(q, v, with_denominator):
-        why_not = original_can_run(q, v, with_denominator)
+    def can_run(*args, **kwargs):  # where the device is the only reason
+        why_not = original_can_run(*args, **kwargs)
         return None if why_not == "its inputs are not on a CUDA device" else why_not
 
-    attention_kernels.can_run = products_triton.can_run = can_run
+    if hasattr(products_triton, "on_kernel_device"):  # the device test on its own: the other reasons still count
+        products_triton.on_kernel_device = lambda x: True
+    else:
+        attention_kernels.can_run = products_triton.can_run = can_run
     products_triton.load_fla = lambda: (stand_ins, None)
     try:
         yield
     finally:
-        attention_kernels.can_run, products_triton.can_run = kernels_can_run, original_can_run
-        products_triton.load_fla = original_load
+        for module, name, value in saved:
+            if value is not None:
+                setattr(module, name, value)
 
 
 def on_fla(name: str):
