@@ -288,6 +288,22 @@ def test_a_causal_layer_compiles_to_one_graph_with_the_eager_values_and_gradient
         torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("encoding", ["lrpe_orthogonal", "permute", "fastrpb"])
+def test_a_causal_lm_train_step_compiles_to_one_graph_with_the_eager_loss_and_gradients(encoding):
+    """LinearGPT's forward with its loss under torch.compile(fullgraph=True): one graph (the MLP and the loss take
+    their plain forms there, which the compiler differentiates), the eager loss and gradients."""
+    model = LinearGPTForCausalLM(gpt_config(positional_encoding=encoding, max_position_embeddings=128)).train()
+    ids = text_batch(tokens=100)
+    weights = [p for p in model.parameters() if p.requires_grad]
+    loss = model(ids, labels=ids).loss
+    expected = torch.autograd.grad(loss, weights)
+    torch._dynamo.reset()
+    compiled_loss = torch.compile(model, backend="aot_eager", fullgraph=True)(ids, labels=ids).loss
+    torch.testing.assert_close(compiled_loss, loss)
+    for got, want in zip(torch.autograd.grad(compiled_loss, weights), expected):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize("encoding", ["permute", "fastrpb", "spe_sine", "lrpe_orthogonal"])
 def test_bidirectional_layer_compiled_equals_eager(encoding):
     """The branches taken while compiling (permute's decay, FastRPB's span check, SPE's table and caches) give the

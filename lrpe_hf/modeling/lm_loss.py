@@ -101,9 +101,12 @@ def causal_lm_loss(
     if shift_labels is None:
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     targets = shift_labels.reshape(-1).to(logits.device)
-    if hidden is not None:
-        hidden = hidden.reshape(-1, hidden.shape[-1])
-    total = CrossEntropySum.apply(logits.reshape(-1, vocab_size), targets, ignore_index, hidden, weight)
+    if torch.compiler.is_compiling():  # the plain loss, which the compiler differentiates and fuses
+        flat = logits.reshape(-1, vocab_size).float()
+        total = F.cross_entropy(flat, targets, ignore_index=ignore_index, reduction="sum")
+    else:
+        hidden = hidden.reshape(-1, hidden.shape[-1]) if hidden is not None else None
+        total = CrossEntropySum.apply(logits.reshape(-1, vocab_size), targets, ignore_index, hidden, weight)
     if num_items_in_batch is None:
         return total / (targets != ignore_index).sum()  # the mean; of no token, nan (as F.cross_entropy)
     if torch.is_tensor(num_items_in_batch):

@@ -4,8 +4,8 @@ The products (``attention_kernels.causal_linear_attention``: the torch chunked p
 that writes into scratch buffers, or fla's Triton kernels on a GPU) are made for eager execution: a compiler cannot
 trace their buffers and ``out=`` writes, and would break the graph around them. Compiled, the layer calls them
 through ``lrpe_hf::causal_product_*`` instead: one opaque op in the graph (and ``causal_product_backward_*`` in
-the backward graph; ``*`` names this file's copy), around which the compiler fuses the elementwise work (feature map, rotations, divisions) into few
-kernels; ``torch.compile(fullgraph=True)`` then holds for a training layer.
+the backward graph; ``*`` names this file's copy), around which the compiler fuses the elementwise work (feature
+map, rotations, divisions) into few kernels; ``torch.compile(fullgraph=True)`` then holds for a training layer.
 
 The backward op recomputes the product's forward with autograd and differentiates it (the eager products keep
 their own saved tensors, which an op boundary cannot carry): one more forward of the product in each backward.

@@ -64,9 +64,10 @@ class MLP(nn.Module):
     def forward(self, hidden_states):
         h = self.fc1(hidden_states)
         plain = type(self.fc2) is not nn.Linear or self.fc2._forward_hooks or self.fc2._forward_pre_hooks
-        if torch.is_grad_enabled() and not plain and not torch.is_autocast_enabled(h.device.type):
+        custom = torch.is_grad_enabled() and not torch.is_autocast_enabled(h.device.type)
+        if custom and not plain and not torch.compiler.is_compiling():
             return ActivationThenLinear.apply(h, self.fc2.weight, self.fc2.bias, self.activation)
-        return self.fc2(self.activation(h))  # adapters or hooks on fc2, autocast: the plain path
+        return self.fc2(self.activation(h))  # adapters or hooks on fc2, autocast, compiled (fused): the plain path
 
 
 class LinearTransformerLayer(GradientCheckpointingLayer):
