@@ -88,7 +88,7 @@ math path, a GPU's flash kernel takes it inside).
 Writes ``ops.csv``, ``top_ops.csv``, ``compiled.csv``, ``roofline.csv``, ``ops.md`` and ``ops.json`` (the
 command, commit, machine and date) to ``--output_dir`` and prints the tables.
 
-    python benchmarks/count_ops.py                                    # every encoding, both parts (~7 minutes)
+    python benchmarks/count_ops.py                                    # every encoding, both parts (~6 minutes)
     python benchmarks/count_ops.py --encodings none rope --no-compiled --no-roofline
     python benchmarks/count_ops.py --bf16 --no-fla                    # and the train step under bf16 autocast
 """
@@ -788,6 +788,7 @@ def roofline_row(name: str, tokens: int, size=SIZE) -> dict:
     launch_time = launches * LAUNCH_SECONDS
     return {
         "model": name,
+        "length": f"{tokens // 1024}k" if tokens % 1024 == 0 else str(tokens),
         "tokens": tokens,
         "gemm_gflop": gemm_flops_ / 1e9,
         "gemm_ms": 1e3 * gemm_time,
@@ -895,7 +896,7 @@ EAGER_COLUMNS = {
 }  # fmt: skip
 COMPILED_COLUMNS = ["model", "step", "fullgraph", "graphs_per_step", "met", "recompiles", "graph_breaks",
                     "break_reasons"]  # fmt: skip
-ROOFLINE_COLUMNS = ["model", "tokens", "gemm_gflop", "gemm_ms", "attention_gflop", "attention_gb", "attention_ms",
+ROOFLINE_COLUMNS = ["model", "length", "gemm_gflop", "gemm_ms", "attention_gflop", "attention_gb", "attention_ms",
                     "other_gb", "other_ms", "launches", "launch_ms", "gpu_ms", "eager_ms", "gpt2_over_it"]  # fmt: skip
 
 
