@@ -84,11 +84,15 @@ def causal_linear_attention(
         if divide_eps is not None:
             out = divide_rows(out, denominator, divide_eps)[0]
         return out, denominator, final
-    why_not = "the torch backend was chosen" if backend == "torch" else can_run(q, v, with_denominator)
+    decay = uniform_decay(log_gates, initial_state, resets) if N > 1 else None  # one token: its gate as given
+    if backend == "torch":
+        why_not = "the torch backend was chosen"
+    else:
+        gated_backward = log_gates is not None and decay is None and wants_gradient(q, k, v, log_gates, initial_state)
+        why_not = can_run(q, v, dtype, gated_backward)
     if backend == "triton" and why_not:
         raise ValueError(f"kernel_backend='triton' cannot run this product: {why_not}; 'auto' falls back to torch")
     if why_not is None:
-        decay = uniform_decay(log_gates, initial_state, resets)
         out, denominator, final = fla_causal_product(
             q, k, v, None if decay is not None else log_gates, decay, initial_state, resets, with_denominator, dtype
         )
@@ -99,9 +103,8 @@ def causal_linear_attention(
         log_gates = q.new_zeros(B, H, N, dtype=torch.promote_types(q.dtype, torch.float32))
     device = q.device.type
     pad = (-N) % C
-    decay = (
-        uniform_decay(log_gates, initial_state, resets) if N > 1 and not (pad and initial_state is not None) else None
-    )
+    if pad and initial_state is not None:
+        decay = None
     if (log_gates is None or decay is not None) and N > 1:
         # zero tokens fill the last chunk; with a decay they go first (after the last token they would decay the
         # final state; before the first, with no initial state, they reach nothing)

@@ -6,15 +6,28 @@ run the recurrence S_t = exp(g_t) S_{t-1} + k_t v_t^T, out_t = scale q_t S_t, ou
 
 - layout: ours (B, H, N, width), fla's (B, N, H, width);
 - per-token log gates (B, H, N) become ``g`` (B, N, H); one constant log decay per head, ``g_gamma`` (H,);
-- the denominator: a ones column appended to the values (as the torch path's states keep it: the last column);
+- widths: every width handed to fla is even, by construction (``even_width``): fla's chunked backward asserts
+  even key and value widths in half precision. An odd width gets a zero column (a zero key column adds nothing
+  to q . k; a zero value column is dropped from the outputs and the states);
+- the denominator q_s . z_s, z_s = sum_{t<=s} exp(G_s - G_t) k_t: over several tokens, computed beside the
+  product, not as a ones column appended to the values (which made the value width dv + 1: odd for even heads,
+  and past the power-of-two value tiles of fla's chunked kernels, 65 columns for heads of 64). Ungated and
+  unpacked, z is the keys' prefix sums (``causal_key_sums``, the torch path's own, O(N m); fla's normalised linear
+  attention also divides by q . cumsum of the keys). With gates, whose running sum exp(G_s) sum_t exp(-G_t) k_t
+  overflows unless it is chunked, or packed documents, which prefix sums would meet by subtractions (imprecise late
+  in long rows), a second fla product of the queries and keys with a ones value (width 2 after padding), fla doing
+  the chunking and the resets. One decoding step keeps the ones column (padded to an even width): one launch of
+  the one-step kernel, which has no chunks or tiles to widen;
 - packed documents (``resets``): each row, and each document inside a row, becomes one sequence of fla's
   ``cu_seqlens`` over the flattened batch; a row's initial state goes to its first document (unless that
   document starts the row afresh) and its final state comes from its last;
-- initial and final states (B, H, m, dv) are fla's (sequences, H, K, V).
+- initial and final states (B, H, m, dv') are fla's (sequences, H, K, V); with the denominator, their last
+  column is the key sum, as the torch path's states.
 
 The encodings stay outside: they transform queries, keys and features before the product, and the divisions,
-FastRPB's bias and SPE's codes happen around it. What the kernels cannot take (``can_run``), the torch path runs:
-tensors off CUDA, and query or value widths above ``MAX_WIDTH``.
+FastRPB's bias and SPE's codes happen around it. What the kernels cannot take (``can_run``: tensors off CUDA,
+float64, widths above ``MAX_WIDTH``, an fla that does not import, and the gated backward fla refuses on some Hopper
+setups), the torch path runs.
 """
 
 import functools
@@ -23,7 +36,9 @@ import importlib.util
 import torch
 from torch.nn import functional as F
 
-MAX_WIDTH = 256  # the widest queries and values (value columns include the denominator's) fla's kernels take
+from .products_chunked import causal_key_sums
+
+MAX_WIDTH = 256  # the widest queries and values fla's kernels take
 
 
 def fla_installed() -> bool:
@@ -51,13 +66,47 @@ def fla_kernels():
     return kernels
 
 
-def can_run(q, v, with_denominator: bool) -> str | None:
-    """None when the kernels can compute this product, otherwise why not."""
-    if not q.is_cuda:
+def on_kernel_device(x) -> bool:
+    """Whether x is on a device fla's kernels run on (CUDA)."""
+    return x.is_cuda
+
+
+def gated_backward_fails(dtype) -> bool:
+    """Whether fla's backward with per-token gates raises here: fla 0.6 refuses it on Hopper GPUs with
+    Triton >= 3.4, < 3.7.1, which miscompiles it (``ops/common/chunk_o.py``, ``chunk_bwd_dqkwg``), unless its
+    TileLang backend takes the call, which it does only for float32 inputs (it wants the states in the inputs'
+    dtype, and simple_gla's backward keeps them in float32) where tilelang and nvcc are installed."""
+    from fla.ops.common import chunk_o
+    from fla.ops.common.backends.tilelang import CommonTileLangBackend
+
+    if not (chunk_o.IS_NVIDIA_HOPPER and chunk_o.TRITON_ABOVE_3_4_0 and not chunk_o.TRITON_ABOVE_3_7_1):
+        return False
+    return dtype != torch.float32 or not CommonTileLangBackend.can_use()
+
+
+def can_run(q, v, dtype, gated_backward: bool) -> str | None:
+    """None when the kernels can compute this product, otherwise why not. q (B, H, N, m), v (B, H, N, dv);
+    ``dtype``: the product's; ``gated_backward``: per-token gates (not one constant decay per head) and a gradient
+    will be wanted."""
+    if not on_kernel_device(q):
         return "its inputs are not on a CUDA device"
-    if q.shape[-1] > MAX_WIDTH or v.shape[-1] + with_denominator > MAX_WIDTH:
-        return f"query width {q.shape[-1]} or value width {v.shape[-1] + with_denominator} is above {MAX_WIDTH}"
-    return load_fla()[1]
+    if dtype == torch.float64:
+        return "fla's kernels compute in float32 at most (float64 inputs would come back wrong)"
+    if max(q.shape[-1], v.shape[-1]) > MAX_WIDTH:
+        return f"query width {q.shape[-1]} or value width {v.shape[-1]} is above {MAX_WIDTH}"
+    why_not = load_fla()[1]
+    if why_not is None and gated_backward and gated_backward_fails(dtype):
+        return (
+            "fla's gated backward raises on Hopper GPUs with Triton >= 3.4, < 3.7.1 (fla issue #640) unless its "
+            "TileLang backend takes it (float32 inputs, tilelang and nvcc installed); Triton >= 3.7.1 runs it"
+        )
+    return why_not
+
+
+def even_width(x):
+    """x (..., w) with a zero column appended where w is odd: fla's chunked backward in half precision asserts
+    even key and value widths (``ops/common/chunk_o.py``, ``chunk_bwd_dv``)."""
+    return F.pad(x, (0, 1)) if x.shape[-1] % 2 else x
 
 
 def fla_causal_product(
@@ -68,26 +117,49 @@ def fla_causal_product(
     None; ``dtype``: the products' dtype. ``kernels``: (chunked, one-step) functions with fla's signatures (default
     ``fla_kernels()``). Returns out (B, H, N, dv), the denominator (B, H, N, 1) or None and the final state
     (B, H, m, dv'), as ``causal_linear_attention``."""
-    chunked, one_step = kernels or fla_kernels()
-    B, H, N, _ = q.shape
-    if with_denominator:
-        v = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
-    q, k, v = (x.to(dtype).transpose(1, 2) for x in (q, k, v))  # (B, N, H, width)
+    kernels = kernels or fla_kernels()
+    dv = v.shape[-1]
+    q, k, v = (x.to(dtype) for x in (q, k, v))
     if log_decay is not None:
         gates = {"g_gamma": log_decay.float()}
     else:
-        gates = {"g": log_gates.transpose(1, 2).float() if log_gates is not None else None}
-    if initial_state is not None:
-        initial_state = initial_state.float()
+        gates = {"g": log_gates.transpose(1, 2).float().contiguous() if log_gates is not None else None}
+    # fla's layout, once for both products (fla would copy a transposed view at each call)
+    fq, fk = (even_width(x).transpose(1, 2).contiguous() for x in (q, k))  # (B, N, H, m'), m' even
+
+    def product(values, state):
+        return fla_product(kernels, fq, fk, values, gates, state, resets, q.shape[-1])
+
+    if not with_denominator:
+        out, final = product(v, initial_state)
+        return out, None, final
+    if q.shape[2] == 1:  # one step: a ones column in the values, one launch
+        out, final = product(F.pad(v, (0, 1), value=1.0), initial_state)
+        return out[..., :dv], out[..., dv:], final
+    out, final = product(v, initial_state[..., :dv] if initial_state is not None else None)
+    key_sum = initial_state[..., dv:] if initial_state is not None else None
+    if log_gates is None and log_decay is None and resets is None:
+        denominator, key_final = causal_key_sums(q, k, key_sum)
+    else:
+        denominator, key_final = product(torch.ones_like(v[..., :1]), key_sum)
+    return out, denominator, torch.cat([final, key_final.to(final.dtype)], dim=-1)
+
+
+def fla_product(kernels, q, k, v, gates, initial_state, resets, m: int):
+    """One product on fla's kernels: q, k (B, N, H, m') in fla's layout, m' even (m of them the keys' own);
+    v (B, H, N, dv); gates as ``fla_causal_product`` passes them; initial_state (B, H, m, dv) or None; resets (B, N)
+    bool or None. Returns out (B, H, N, dv) and the final state (B, H, m, dv) in float32."""
+    chunked, one_step = kernels
+    dv = v.shape[-1]
+    v = even_width(v).transpose(1, 2)  # (B, N, H, dv'), dv' even
+    if initial_state is not None:  # zero rows and columns for the padding
+        initial_state = F.pad(initial_state.float(), (0, v.shape[-1] - dv, 0, q.shape[-1] - m))
     if resets is None:
-        kernel = one_step if N == 1 else chunked
+        kernel = one_step if q.shape[1] == 1 else chunked
         out, final = kernel(q, k, v, **gates, scale=1.0, initial_state=initial_state, output_final_state=True)
     else:
         out, final = packed_product(chunked, q, k, v, gates, initial_state, resets)
-    out = out.to(dtype).transpose(1, 2)  # (B, H, N, dv')
-    if with_denominator:
-        return out[..., :-1], out[..., -1:], final
-    return out, None, final
+    return out.transpose(1, 2)[..., :dv], final[..., :m, :dv]
 
 
 def packed_product(kernel, q, k, v, gates, initial_state, resets):
