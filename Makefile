@@ -4,7 +4,7 @@ VENV ?= .venv
 PYTHON := $(VENV)/bin/python
 OUT ?= out/demo
 
-.PHONY: install demo reproduce test harness test-compat lock benchmark clean
+.PHONY: install demo reproduce test harness test-compat test-triton lock benchmark clean
 
 # The default environment: exact versions from the lock file (`make lock` regenerates it on purpose), so that a green
 # `make test` means the same thing on any day.
@@ -95,6 +95,21 @@ test-compat: .venv-oldest/.installed
 		.venv-$$end/bin/python tests/fetch_transformers_harness.py || exit 1; \
 		.venv-$$end/bin/python -m pytest -q -p no:cacheprovider $(COMPAT_TESTS) || exit 1; \
 	done
+
+# fla's real Triton kernels on the CPU, under Triton's interpreter: Triton and fla-core at the versions below, installed
+# with pip --target beside the default environment (first on PYTHONPATH, so .venv itself stays as the lock says), run
+# the Triton path's tests (tests/test_triton_adapter.py; the interpreter's shims are in tests/triton_interpreter.py).
+# About 3 to 5 minutes on 2 CPU cores, the install included.
+TRITON_KERNELS := triton==3.9.0 fla-core==0.6.0
+TRITON_TARGET := .venv-triton
+
+$(TRITON_TARGET)/.installed: Makefile $(VENV)/.installed
+	rm -rf $(TRITON_TARGET)
+	$(PYTHON) -m pip install --quiet --no-deps --target $(TRITON_TARGET) $(TRITON_KERNELS)
+	touch $@
+
+test-triton: $(TRITON_TARGET)/.installed
+	TRITON_INTERPRET=1 PYTHONPATH=$(TRITON_TARGET) $(PYTHON) -m pytest -q -p no:cacheprovider tests/test_triton_adapter.py
 
 # Regenerate the lock file from what pip resolves today (then run `make test` and commit both).
 lock:
