@@ -25,7 +25,7 @@ from .products_chunked import ChunkedCausalProduct
 from .products_custom_op import compiled_causal_product
 from .products_gated import gated_chunks, recurrent_step
 from .products_shared import chunk_length, divide_rows, product_dtype
-from .products_triton import can_run, fla_causal_product
+from .products_triton import can_run, fla_causal_product, on_kernel_device
 
 
 def bidirectional_linear_attention(q, k, v, documents=None, with_denominator=False):
@@ -77,7 +77,9 @@ def causal_linear_attention(
         raise ValueError("divide_eps needs with_denominator=True and inputs that want no gradient")
     B, H, N, m = q.shape
     C, dtype = chunk_length(N, chunk_size), product_dtype(q, v)
-    if torch.compiler.is_compiling() and N > 1:  # one opaque op in the graph (a decoding step's is plain ops)
+    # Compiled, the product is one opaque op in the graph: over several tokens, and for a decoding step that would
+    # call fla's one-step kernel (which fla keeps out of compiled graphs); the torch path's step is plain ops.
+    if torch.compiler.is_compiling() and (N > 1 or backend != "torch" and on_kernel_device(q)):
         out, denominator, final = compiled_causal_product(
             q, k, v, log_gates, initial_state, chunk_size, resets, with_denominator, dtype, backend
         )
