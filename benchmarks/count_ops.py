@@ -497,7 +497,8 @@ def stand_in_kernels(chunk_reference, step_reference):
 @contextlib.contextmanager
 def fla_path(kernels=None):
     """With ``kernels`` ((chunk, step) references), CPU tensors take the causal product's GPU path: ``can_run``
-    answers yes where only the device stood in the way, and fla's kernels are stand-ins computing with them."""
+    answers yes where only the device stood in the way (on a GPU whose Triton runs fla's gated backward), and fla's
+    kernels are stand-ins computing with them."""
     if kernels is None:
         yield
         return
@@ -506,7 +507,7 @@ def fla_path(kernels=None):
     stand_ins = stand_in_kernels(*kernels)
     saved = [(module, name, getattr(module, name, None)) for module, name in (
         (attention_kernels, "can_run"), (products_triton, "can_run"), (products_triton, "load_fla"),
-        (products_triton, "on_kernel_device"),
+        (products_triton, "on_kernel_device"), (products_triton, "gated_backward_fails"),
     )]  # fmt: skip
     original_can_run = products_triton.can_run
 
@@ -516,6 +517,8 @@ def fla_path(kernels=None):
 
     if hasattr(products_triton, "on_kernel_device"):  # the device test on its own: the other reasons still count
         products_triton.on_kernel_device = lambda x: True
+    if hasattr(products_triton, "gated_backward_fails"):  # a GPU whose Triton runs fla's gated backward (>= 3.7.1)
+        products_triton.gated_backward_fails = lambda dtype: False
     else:
         attention_kernels.can_run = products_triton.can_run = can_run
     products_triton.load_fla = lambda: (stand_ins, None)

@@ -92,6 +92,9 @@ def test_the_fla_path_counts_fla_launches_and_computes_what_the_torch_path_does(
     assert fla["by_name"]["fla::chunk_simple_gla"] == count_ops.FLA_LAUNCHES["forward"]
     assert fla["by_name"]["fla::chunk_simple_gla_backward"] == count_ops.FLA_LAUNCHES["backward"]
     assert fla["product_per_layer"] >= sum(count_ops.FLA_LAUNCHES.values())
+    gated = count_ops.op_counts("train", "fastrpb+fla", TINY)  # the exp map's running maximum: per-token gates
+    launches = gated["by_name"]["fla::chunk_simple_gla"]  # each call's kernels and the gates' cumsum
+    assert launches > 0 and launches % (count_ops.FLA_LAUNCHES["forward"] + 1) == 0
     losses, grads = [], []
     for name in ("none", "none+fla"):
         with count_ops.fla_path(count_ops.on_fla(name)):
