@@ -507,7 +507,8 @@ def fla_path(kernels=None):
     stand_ins = stand_in_kernels(*kernels)
     saved = [(module, name, getattr(module, name, None)) for module, name in (
         (attention_kernels, "can_run"), (products_triton, "can_run"), (products_triton, "load_fla"),
-        (products_triton, "on_kernel_device"), (products_triton, "gated_backward_fails"),
+        (products_triton, "on_kernel_device"), (attention_kernels, "on_kernel_device"),
+        (products_triton, "gated_backward_fails"),
     )]  # fmt: skip
     original_can_run = products_triton.can_run
 
@@ -516,7 +517,9 @@ def fla_path(kernels=None):
         return None if why_not == "its inputs are not on a CUDA device" else why_not
 
     if hasattr(products_triton, "on_kernel_device"):  # the device test on its own: the other reasons still count
-        products_triton.on_kernel_device = lambda x: True
+        for module in (products_triton, attention_kernels):  # (and where it was imported by name)
+            if hasattr(module, "on_kernel_device"):
+                module.on_kernel_device = lambda x: True
     if hasattr(products_triton, "gated_backward_fails"):  # a GPU whose Triton runs fla's gated backward (>= 3.7.1)
         products_triton.gated_backward_fails = lambda dtype: False
     else:

@@ -87,6 +87,16 @@ def test_gpt2_counts_one_attention_per_layer_and_more_ops_in_training():
     assert decode["product_per_layer"] == 0 and decode["outside"] > 0
 
 
+def test_the_fla_path_reaches_every_device_test():
+    from lrpe_hf.modeling import attention_kernels, products_triton
+
+    q = torch.zeros(1, 2, 3, 4)
+    modules = [m for m in (attention_kernels, products_triton) if hasattr(m, "on_kernel_device")]  # by name too
+    with count_ops.fla_path(count_ops.reference_kernels()):
+        assert all(module.on_kernel_device(q) for module in modules)
+    assert not any(module.on_kernel_device(q) for module in modules)
+
+
 def test_the_fla_path_counts_fla_launches_and_computes_what_the_torch_path_does():
     fla = count_ops.op_counts("train", "none+fla", TINY)
     assert fla["by_name"]["fla::chunk_simple_gla"] == count_ops.FLA_LAUNCHES["forward"]
