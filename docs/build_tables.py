@@ -32,7 +32,7 @@ import sys
 from pathlib import Path
 
 from lrpe_hf.training import tables
-from lrpe_hf.training.compare import PRESETS
+from lrpe_hf.training.presets import PRESETS
 from lrpe_hf.training.verdicts import claims_table
 
 ROOT = Path(__file__).resolve().parents[1]

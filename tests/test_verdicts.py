@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from lrpe_hf.training import compare
+from lrpe_hf.training import presets
 from lrpe_hf.training.verdicts import (
     Claim,
     claims_table,
@@ -54,8 +54,8 @@ def test_verdicts_follow_the_sign_of_the_interval_and_the_metrics_direction():
 
 
 def test_the_presets_claims_name_their_encodings_and_the_table_skips_what_did_not_run():
-    for name, preset in compare.PRESETS.items():
+    for name, preset in presets.PRESETS.items():
         for claim in preset.get("claims", []):
             assert {claim.better, claim.worse} <= set(preset["encodings"]), (name, claim)
-    table = claims_table(rows({"rope": [1.0, 2.0], "none": [2.0, 3.0]}, "perplexity"), compare.TABLE2_CLAIMS)
+    table = claims_table(rows({"rope": [1.0, 2.0], "none": [2.0, 3.0]}, "perplexity"), presets.TABLE2_CLAIMS)
     assert len(table) == 3 and "rope better than none" in table[2]

@@ -84,8 +84,8 @@ from ..modeling.registry import POSITIONAL_ENCODINGS, positional_encoding_entry
 from . import compare_report
 from .arguments import ModelArguments, build_config
 from .compare_tasks import ABSOLUTE_BASELINES, RUNNERS, as_strings, execute_run, load_result, model_arguments
+from .presets import PRESETS
 from .tokenizer import TokenizerArguments, train_tokenizer
-from .verdicts import Claim
 
 TASKS = tuple(RUNNERS)
 PROFILES = ("quick", "medium", "full")
@@ -159,118 +159,6 @@ TASK_PROFILES = {
     },
     "copy": {"quick": SYNTHETIC_QUICK, "medium": SYNTHETIC_MEDIUM, "full": SYNTHETIC_FULL},
     "recall": {"quick": SYNTHETIC_QUICK, "medium": SYNTHETIC_MEDIUM, "full": SYNTHETIC_FULL},
-}
-
-TABLE2_ENCODINGS = [
-    "none", "sinusoidal", "learned", "rope", "permute", "spe_sine", "lrpe_unitary", "lrpe_orthogonal",
-    "lrpe_permutation", "fastrpb", "softmax:rope",
-]  # fmt: skip
-SYNTHETIC_ENCODINGS = [
-    "none", "learned", "rope", "permute", "spe_sine", "lrpe_orthogonal", "fastrpb", "softmax:rope",
-]  # fmt: skip
-
-# The papers' claims each preset tests (``verdicts.py``): the better encoding, the worse, the metric, the figures.
-TABLE2_CLAIMS = [
-    Claim("lrpe_unitary", "rope", "perplexity", "Type 1 31.83 against RoPE 33.36"),
-    Claim("lrpe_orthogonal", "rope", "perplexity", "Type 2 32.02 against RoPE 33.36"),
-    Claim("lrpe_unitary", "permute", "perplexity", "Type 1 31.83 against PER 32.88"),
-    Claim("lrpe_orthogonal", "permute", "perplexity", "Type 2 32.02 against PER 32.88"),
-    Claim("lrpe_unitary", "lrpe_orthogonal", "perplexity", "Type 1 31.83 against Type 2 32.02"),
-    Claim("lrpe_orthogonal", "lrpe_permutation", "perplexity", "Type 2 32.02 against Type 3 33.81"),
-    Claim("permute", "rope", "perplexity", "PER 32.88 against RoPE 33.36"),
-    Claim("rope", "none", "perplexity", "RoPE 33.36 against NoPE 35.96"),
-    Claim("sinusoidal", "none", "perplexity", "Base 33.97 against NoPE 35.96"),
-    Claim("none", "spe_sine", "perplexity", "NoPE 35.96 against SPE 43.36"),
-]
-TABLE1_CLAIMS = [
-    Claim("lrpe_orthogonal", "rope", "pretrain_perplexity", "loss: Type 2 5.12 against RoPE 5.17"),
-    Claim("lrpe_orthogonal", "sinusoidal", "pretrain_perplexity", "loss: Type 2 5.12 against Base 5.35"),
-    Claim("rope", "sinusoidal", "pretrain_perplexity", "loss: RoPE 5.17 against Base 5.35"),
-    Claim("sinusoidal", "spe_sine", "pretrain_perplexity", "loss: Base 5.35 against SPE 6.07"),
-    Claim("lrpe_orthogonal", "rope", "finetune_accuracy", "SST-2: Type 2 91.90 against RoPE 90.65"),
-    Claim("lrpe_orthogonal", "sinusoidal", "finetune_accuracy", "SST-2: Type 2 91.90 against Base 89.91"),
-]
-IMAGE_CLAIMS = [  # LRPE Table 3 (DeiT-small on ImageNet-1k; Base: DeiT's learned positions)
-    Claim("lrpe_orthogonal", "rope", "accuracy", "Type 2 78.77 against RoPE 78.64"),
-    Claim("lrpe_orthogonal", "learned", "accuracy", "Type 2 78.77 against Base 78.04"),
-    Claim("lrpe_unitary", "learned", "accuracy", "Type 1 78.60 against Base 78.04"),
-    Claim("rope", "learned", "accuracy", "RoPE 78.64 against Base 78.04"),
-    Claim("learned", "permute", "accuracy", "Base 78.04 against PER 77.81"),
-    Claim("learned", "lrpe_permutation", "accuracy", "Base 78.04 against Type 3 77.72"),
-]
-
-# Each preset: the task, what it mirrors, its encodings, its claims, and per-profile settings over the task's
-# profile.
-PRESETS = {
-    "lrpe_table2": dict(
-        task="clm",
-        mirrors="LRPE (Qin et al.) Table 2: autoregressive LM perplexity (WikiText-103); here the Wikipedia leads",
-        encodings=TABLE2_ENCODINGS,
-        claims=TABLE2_CLAIMS,
-        quick={},
-        medium={},
-        full={},
-    ),
-    "lrpe_table1": dict(
-        task="mlm",
-        mirrors="LRPE Table 1: bidirectional masked-LM pretraining, then GLUE fine-tuning; here the Wikipedia leads, "
-        "then tweet sentiment",
-        # the paper's rows: Base (sinusoidal), RoPE, SPE, PER, Type 1, 2, 3
-        encodings=["sinusoidal", "rope", "spe_sine", "permute", "lrpe_unitary", "lrpe_orthogonal", "lrpe_permutation"],
-        claims=TABLE1_CLAIMS,
-        quick={},
-        medium={},
-        full={},
-    ),
-    "image": dict(
-        task="image",
-        mirrors="LRPE Table 3 (DeiT, ImageNet-1k), PermuteFormer's and FastRPB's image results; here LinearViT on "
-        "the Fashion-MNIST subset",
-        encodings=[
-            "none",
-            "learned",
-            "rope",
-            "permute",
-            "spe_sine",
-            "spe_conv",
-            "lrpe_unitary",
-            "lrpe_orthogonal",
-            "lrpe_permutation",
-            "fastrpb",
-            "softmax:learned",
-        ],  # fmt: skip
-        claims=IMAGE_CLAIMS,
-        # spe_conv's 2D filters of 128 (the paper's 1D length) cost 40x those of 16, which span every offset of
-        # the 8 x 8 positions (7 x 7 patches and the class token) already
-        quick=dict(config_overrides='{"spe_kernel_size": 16}'),
-        medium=dict(config_overrides='{"spe_kernel_size": 16}'),
-        full=dict(config_overrides='{"spe_kernel_size": 16}'),
-    ),
-    "extrapolation": dict(
-        task="clm",
-        mirrors="length extrapolation (RoFormer, PermuteFormer, FastRPB discuss it): train at one length, evaluate "
-        "at 1x to 16x",
-        encodings=["none", "sinusoidal", "rope", "permute", "spe_sine", "lrpe_orthogonal", "fastrpb", "softmax:rope"],
-        quick=dict(block_size=64, eval_lengths=[64, 128, 256, 512, 1024], max_eval_samples=160),  # 10k tokens
-        medium=dict(block_size=128, eval_lengths=[128, 256, 512, 1024, 2048], max_eval_samples=160),  # 20k tokens
-        full=dict(block_size=128, eval_lengths=[128, 256, 512, 1024, 2048]),
-    ),
-    "synthetic_copy": dict(
-        task="copy",
-        mirrors="a task only relative position solves: output the token 4 positions back",
-        encodings=SYNTHETIC_ENCODINGS,
-        quick={},
-        medium={},
-        full={},
-    ),
-    "synthetic_recall": dict(
-        task="recall",
-        mirrors="multi-query associative recall (Zoology, H3): find the key, read the value after it",
-        encodings=SYNTHETIC_ENCODINGS,
-        quick=dict(synthetic_vocab_size=16),  # 8 pairs of 16 keys and 16 values: learnable in 120 steps
-        medium={},
-        full={},
-    ),
 }
 
 # How a sweep uses the machine, per profile: runs at once, and torch threads per run (0: torch's default). Tiny

@@ -9,7 +9,7 @@ that d > 0 means the claim's direction (for a lower-is-better metric, the score 
 - the verdict: *reproduced* when the interval lies above 0 (the paper's direction holds), *contradicted* when it
   lies below 0 (the opposite holds), *inconclusive* otherwise, or with fewer than two pairs.
 
-The comparison tool writes this table for a preset's claims (``compare.PRESETS[...]["claims"]``); run this module on
+The comparison tool writes this table for a preset's claims (``presets.PRESETS[...]["claims"]``); run this module on
 a results.csv to recompute it::
 
     python -m lrpe_hf.training.verdicts --preset lrpe_table2 docs/data/medium/lrpe_table2.csv
@@ -21,15 +21,7 @@ import math
 import statistics
 from dataclasses import dataclass
 
-
-@dataclass(frozen=True)
-class Claim:
-    """``better`` scores better than ``worse`` on ``metric``, as the paper reports (``paper``: its figures)."""
-
-    better: str
-    worse: str
-    metric: str
-    paper: str
+from .presets import PRESETS, Claim
 
 
 @dataclass(frozen=True)
@@ -134,8 +126,6 @@ def claims_table(rows: list[dict], claims: list[Claim]) -> list[str]:
 
 
 def main():
-    from .compare import PRESETS
-
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", required=True, choices=[name for name in PRESETS if PRESETS[name].get("claims")])
     parser.add_argument("results_csv")
