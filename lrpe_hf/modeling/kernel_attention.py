@@ -53,14 +53,19 @@ class DivideByDenominator(torch.autograd.Function):
         result, reciprocal = divide_rows(numerator, denominator, eps, guard)
         ctx.save_for_backward(result, reciprocal)
         ctx.eps_shape = eps.shape if isinstance(eps, torch.Tensor) else None
+        ctx.denominator_dtype = denominator.dtype
         return result
 
     @staticmethod
     def backward(ctx, grad):
         result, reciprocal = ctx.saved_tensors
-        # d(n / D)/dD = -(n / D) / D: the result times the reciprocal, summed with the output's gradient
-        grad_denominator = torch.linalg.vecdot(grad, result, dim=-1).unsqueeze(-1).mul_(reciprocal).neg_()
+        # d(n / D)/dD = -(n / D) / D: the result times the reciprocal, summed with the output's gradient (in the
+        # reciprocal's dtype, float32 for float16 inputs, then cast to each input's)
+        grad_denominator = torch.linalg.vecdot(grad, result, dim=-1).unsqueeze(-1).mul(reciprocal).neg_()
         grad_eps = grad_denominator.sum_to_size(ctx.eps_shape) if ctx.needs_input_grad[2] else None
+        if reciprocal.dtype != grad.dtype:
+            grad_numerator = torch.mul(grad, reciprocal, out=torch.empty_like(grad))
+            return grad_numerator, grad_denominator.to(ctx.denominator_dtype), grad_eps, None
         return grad * reciprocal, grad_denominator, grad_eps, None
 
 

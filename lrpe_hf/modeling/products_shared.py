@@ -82,11 +82,15 @@ def divide_rows(numerator: torch.Tensor, denominator: torch.Tensor, eps, guard=N
     that the output projection reads: the heads are merged by a view, not by one more copy. ``eps`` is a number
     or a tensor broadcastable to (B, H, N, 1); ``guard`` maps the denominator before its reciprocal is taken
     (``nonzero``), or is None. Returns the result and the reciprocal (B, H, N, 1). Compiled: plain differentiable
-    ops, which the compiler fuses."""
+    ops, which the compiler fuses. In float16 the denominator and its reciprocal are float32 (and so is the
+    product, cast to float16 as it is written): the reciprocal of a padded row's 0 + eps (1e6 for eps 1e-6)
+    overflows float16 (largest 65504), and 0 x inf is NaN in its gradients."""
+    if denominator.dtype == torch.float16:
+        denominator = denominator.float()
     denominator = denominator + eps
     reciprocal = (guard(denominator) if guard else denominator).reciprocal()
     if torch.compiler.is_compiling():  # the compiler chooses the layout (and takes no out= views)
-        return numerator * reciprocal, reciprocal
+        return (numerator * reciprocal).to(numerator.dtype), reciprocal
     B, H, N, d = numerator.shape
     return torch.mul(numerator, reciprocal, out=numerator.new_empty(B, N, H, d).transpose(1, 2)), reciprocal
 
