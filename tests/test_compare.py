@@ -45,7 +45,7 @@ def test_tiny_sweep_writes_the_table_the_csv_and_the_plots(sweep):
             assert math.isfinite(float(row[column])), (column, row)
         assert 0 <= float(row["accuracy"]) <= 1 and float(row["peak_memory_mb"]) > 10
 
-    table = (sweep / "results.md").read_text().splitlines()
+    table = (sweep / "results.md").read_text().split("Every encoding against")[0].splitlines()  # the first table
     body = [line for line in table if line.startswith("| rope") or line.startswith("| softmax:rope")]
     assert len(body) == 2
     for line in body:
@@ -61,6 +61,28 @@ def test_tiny_sweep_writes_the_table_the_csv_and_the_plots(sweep):
     for run in ("rope-elu-seed0", "softmax_rope-seed1"):
         result = json.loads((sweep / "runs" / run / "result.json").read_text())
         assert result["loss_curve"] and (sweep / "runs" / run / "model.safetensors").exists()
+
+
+def test_a_sweep_compares_every_encoding_with_the_first_paired_by_seed(sweep):
+    """comparisons.csv and results.md: softmax:rope against rope (the first listed), the paired difference of the
+    runs' own accuracies, with the verdict rule's interval and word."""
+    rows = read_csv(sweep / "results.csv")
+    accuracy = {(r["encoding"], r["seed"]): float(r["accuracy"]) for r in rows}
+    differences = [accuracy[("softmax:rope", s)] - accuracy[("rope", s)] for s in ("0", "1")]
+    (record,) = [r for r in read_csv(sweep / "comparisons.csv") if r["metric"] == "accuracy"]
+    assert (record["encoding"], record["baseline"], record["baseline_feature_map"], record["pairs"]) == (
+        "softmax:rope", "rope", "elu", "2",
+    )  # fmt: skip
+    assert float(record["difference"]) == pytest.approx(np.mean(differences), abs=1e-9)
+    half = 12.706 * np.std(differences, ddof=1) / math.sqrt(2)  # t(0.975, 1 degree of freedom)
+    if half > 0:
+        assert float(record["low"]) == pytest.approx(np.mean(differences) - half, abs=1e-3)
+        assert float(record["high"]) == pytest.approx(np.mean(differences) + half, abs=1e-3)
+    expected = "better" if float(record["low"]) > 0 else "worse" if float(record["high"]) < 0 else "inconclusive"
+    assert record["verdict"] == expected
+    markdown = (sweep / "results.md").read_text()
+    assert "Every encoding against rope" in markdown
+    assert "| softmax:rope | - | accuracy | rope (elu) | 2 |" in markdown
 
 
 def test_a_killed_sweep_resumes_without_retraining_finished_runs(sweep, tmp_path, capsys):
@@ -80,6 +102,7 @@ def test_a_killed_sweep_resumes_without_retraining_finished_runs(sweep, tmp_path
     assert len(read_csv(out / "results.csv")) == 4
     printed = capsys.readouterr().out
     assert printed.count("finished earlier, skipped") == 3
+    assert "Every encoding against rope" in printed and "| softmax:rope | - | accuracy | rope (elu) | 2 |" in printed
     assert "[3/4] rope-elu-seed1: started" in printed and "[3/4] rope-elu-seed1: finished in" in printed
 
 
@@ -131,6 +154,10 @@ def test_synthetic_datasets_are_seeded():
         (["--task", "translate", "--encodings", "rope"], "valid tasks: clm, mlm, image, copy, recall"),
         (["--task", "copy", "--encodings", "rope", "--feature_maps", "nosuch"], "valid values: elu, relu"),
         (["--task", "copy"], "Give --encodings"),
+        (
+            ["--task", "copy", "--encodings", "rope,none", "--baseline", "learned"],
+            "--baseline learned is not among the encodings compared \\(rope, none\\)",
+        ),
         (["--task", "copy", "--encodings", "rope", "--profile", "huge"], "valid values: quick, medium, full"),
         (
             ["--task", "copy", "--encodings", "rope", "--eval_lengths", "64"],

@@ -1,13 +1,17 @@
 """The verdict rule: a paired t-test over seeds, its interval and p-value against published values."""
 
 import math
+import statistics
 
 import pytest
 
 from lrpe_hf.training import presets
 from lrpe_hf.training.verdicts import (
+    ONE_PAIR,
     Claim,
+    baseline_comparisons,
     claims_table,
+    comparisons_table,
     paired_claim,
     paired_test,
     student_t_cdf,
@@ -59,3 +63,51 @@ def test_the_presets_claims_name_their_encodings_and_the_table_skips_what_did_no
             assert {claim.better, claim.worse} <= set(preset["encodings"]), (name, claim)
     table = claims_table(rows({"rope": [1.0, 2.0], "none": [2.0, 3.0]}, "perplexity"), presets.TABLE2_CLAIMS)
     assert len(table) == 3 and "rope better than none" in table[2]
+
+
+def test_a_free_comparison_matches_scipys_paired_t_test():
+    """Every encoding against the baseline: the paired difference, interval and p-value of an independent
+    computation (scipy's ttest_rel and the explicit t formula), and the verdict words."""
+    stats = pytest.importorskip("scipy.stats")
+    none = [300.0, 296.5, 301.2, 299.0, 297.7]
+    scores = {"none": none, "rope": [290.1, 288.0, 293.9, 289.2, 290.5], "spe": [301.0, 295.0, 303.1, 300.2, 296.9]}
+    records = baseline_comparisons(rows(scores, "perplexity"), "none", ["perplexity"])
+    assert [(r["encoding"], r["baseline"], r["pairs"]) for r in records] == [("rope", "none", 5), ("spe", "none", 5)]
+    for record in records:
+        values = scores[record["encoding"]]
+        differences = [a - b for a, b in zip(values, none)]
+        mean, sd, n = sum(differences) / 5, statistics.stdev(differences), 5
+        half = stats.t.ppf(0.975, n - 1) * sd / math.sqrt(n)
+        assert record["difference"] == pytest.approx(mean, abs=1e-12)
+        assert (record["low"], record["high"]) == (pytest.approx(mean - half, abs=1e-6), pytest.approx(mean + half))
+        assert record["p_value"] == pytest.approx(stats.ttest_rel(values, none).pvalue, abs=1e-6)
+    assert records[0]["verdict"] == "better"  # rope's perplexity lower on every seed: its interval below 0
+    assert records[1]["verdict"] == "inconclusive"
+    accuracy = baseline_comparisons(rows({"a": [0.5, 0.6, 0.7], "b": [0.6, 0.71, 0.79]}, "accuracy"), "a", ["accuracy"])
+    assert accuracy[0]["verdict"] == "better"  # higher accuracy, interval above 0
+    worse = baseline_comparisons(rows({"a": [0.5, 0.6, 0.7], "b": [0.4, 0.49, 0.61]}, "accuracy"), "a", ["accuracy"])
+    assert worse[0]["verdict"] == "worse"
+
+
+def test_a_free_comparison_with_one_seed_says_there_is_no_interval():
+    records = baseline_comparisons(rows({"a": [0.5], "b": [0.7]}, "accuracy"), "a", ["accuracy"])
+    assert records[0]["pairs"] == 1 and records[0]["verdict"] == "inconclusive" and math.isnan(records[0]["low"])
+    line = comparisons_table(records)[2]
+    assert ONE_PAIR in line and "nan" not in line
+
+
+def test_a_free_comparison_pairs_each_feature_map_with_the_baselines_own():
+    grid = [
+        {"encoding": e, "feature_map": m, "seed": s, "perplexity": v}
+        for e, m, values in [
+            ("none", "elu", [10.0, 11.0]), ("none", "relu", [20.0, 21.0]),
+            ("rope", "elu", [9.0, 10.0]), ("rope", "relu", [19.0, 20.5]), ("softmax:rope", "-", [8.0, 8.5]),
+        ]
+        for s, v in enumerate(values)
+    ]  # fmt: skip
+    records = baseline_comparisons(grid, "none", ["perplexity"])
+    against = {(r["encoding"], r["feature_map"]): (r["baseline_feature_map"], r["difference"]) for r in records}
+    assert against == {("rope", "elu"): ("elu", -1.0), ("rope", "relu"): ("relu", -0.75), ("softmax:rope", "-"): (
+        "elu", -2.25)}  # fmt: skip
+    with pytest.raises(ValueError, match="baseline 'learned' has no runs"):
+        baseline_comparisons(grid, "learned", ["perplexity"])

@@ -57,7 +57,10 @@ Presets (the papers' headline comparisons, at small scale):
 
 Outputs in ``--output_dir``: ``runs/<run>/`` (each run's own output: checkpoint, metrics, ``log.txt``,
 ``result.json``), ``results.csv`` (one row per run), ``results.md`` (one row per encoding x feature map, mean +-
-std over seeds), ``metric_<name>.png``, ``loss_curves.png`` and, with ``--eval_lengths``, ``extrapolation.png``.
+std over seeds; every other encoding against the baseline, the first listed or ``--baseline``, per metric, paired by
+seed: difference, 95% interval, p-value and the verdict better / worse / inconclusive, as ``verdicts.py`` decides
+the papers' claims; and the preset's claims), ``comparisons.csv`` (that baseline table), ``metric_<name>.png``,
+``loss_curves.png`` and, with ``--eval_lengths``, ``extrapolation.png``. The sweep prints the baseline table when it ends.
 
 Each run trains in a fresh process, forked from a server process that has already imported the libraries
 (``multiprocessing``'s forkserver): the run's peak resident memory is its own, its state (seeds, threads) starts
@@ -86,6 +89,7 @@ from .arguments import ModelArguments, build_config
 from .compare_tasks import ABSOLUTE_BASELINES, RUNNERS, as_strings, execute_run, load_result, model_arguments
 from .presets import PRESETS
 from .tokenizer import TokenizerArguments, train_tokenizer
+from .verdicts import baseline_comparisons
 
 TASKS = tuple(RUNNERS)
 PROFILES = ("quick", "medium", "full")
@@ -181,7 +185,9 @@ DEFAULTS = dict(
     synthetic_vocab_size=32,
     copy_lag=4,
 )
-SWEEP_FIELDS = ("preset", "profile", "task", "encodings", "feature_maps", "seeds", "output_dir", "jobs", "threads")
+SWEEP_FIELDS = (
+    "preset", "profile", "task", "encodings", "feature_maps", "baseline", "seeds", "output_dir", "jobs", "threads",
+)  # fmt: skip
 # The settings each run depends on: those of every task, then the task's own.
 RUN_SETTINGS = (
     "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "batch_size", "learning_rate",
@@ -222,6 +228,10 @@ class CompareArguments:
     )
     feature_maps: str | None = field(
         default=None, metadata=help_for("comma-separated (default: each encoding's own, as its config picks)")
+    )
+    baseline: str | None = field(
+        default=None,
+        metadata=help_for("every other encoding against it, per metric, paired by seed (default: the first listed)"),
     )
     seeds: int | None = field(default=None, metadata=help_for("seeds 0..N-1 per encoding (default 3)"))
     jobs: int | None = field(default=None, metadata=help_for("runs at once (quick, medium: 2; full: 1)"))
@@ -336,6 +346,12 @@ def check(s: dict):
     unknown = [name for name in s["encodings"] if name not in valid]
     if unknown:
         raise ValueError(f"Unknown encoding(s) {', '.join(unknown)}; valid names: {', '.join(valid)}")
+    s["baseline"] = s.get("baseline") or s["encodings"][0]
+    if s["baseline"] not in s["encodings"]:
+        raise ValueError(
+            f"--baseline {s['baseline']} is not among the encodings compared ({', '.join(s['encodings'])}): add it to "
+            "--encodings or name one of them"
+        )
     for name in ("seeds", "jobs"):
         if s[name] < 1:
             raise ValueError(f"--{name} must be at least 1, got {s[name]}")
@@ -495,7 +511,10 @@ def main(args=None):
     feature_maps = ",".join(settings["feature_maps"] or ["each encoding's default"])
     shown = {"seeds": settings["seeds"], "feature_maps": feature_maps, **runs[0]["settings"]}
     written = compare_report.write_report(
-        output_dir, results, title, preset.get("mirrors", ""), shown, preset.get("claims", [])
+        output_dir, results, title, preset.get("mirrors", ""), shown, preset.get("claims", []), settings["baseline"]
     )
+    baseline = settings["baseline"]
+    comparisons = baseline_comparisons(results, baseline, compare_report.metric_names(results))
+    print("\n".join(["", *compare_report.comparison_lines(comparisons, baseline), ""]), flush=True)
     print("Wrote " + ", ".join(str(path) for path in written), flush=True)
     return results

@@ -1,8 +1,11 @@
 """The tables and plots of an encoding comparison (lrpe_hf.training.compare) from its runs' results.
 
 - ``results.csv``: one row per run;
-- ``results.md``: one row per encoding x feature map, mean +- sample standard deviation over seeds, and the
-  verdict on each of the preset's claims (``verdicts.py``: a paired test over seeds);
+- ``results.md``: one row per encoding x feature map, mean +- sample standard deviation over seeds, every other
+  encoding against the baseline (the first encoding listed, or ``--baseline``) per metric, and the verdict on each
+  of the preset's claims (``verdicts.py``: one paired test over seeds for both);
+- ``comparisons.csv``: the baseline comparisons, one row per encoding x feature map x metric: pairs, the paired
+  difference (encoding - baseline), its 95% interval, p-value and verdict (better, worse, inconclusive);
 - ``metric_<name>.png``: each metric per encoding, error bars one standard deviation;
 - ``loss_curves.png``: training loss against step per encoding, mean over seeds;
 - ``extrapolation.png`` (when runs were evaluated at other lengths): perplexity against evaluation length.
@@ -13,7 +16,7 @@ import math
 import statistics
 from pathlib import Path
 
-from .verdicts import claims_table
+from .verdicts import ONE_PAIR, baseline_comparisons, claims_table, comparisons_table
 
 LENGTH_PREFIX = "perplexity_at_"
 FIGURES = ("train_time_s", "train_tokens_per_s", "peak_memory_mb")
@@ -61,7 +64,40 @@ def direction(name: str) -> str:
     return " (lower is better)" if "perplexity" in name else " (higher is better)" if "accuracy" in name else ""
 
 
-def write_markdown(path: Path, results: list[dict], title: str, mirrors: str, settings: dict, claims=()) -> Path:
+COMPARISON_COLUMNS = (
+    "encoding", "feature_map", "baseline", "baseline_feature_map", "metric", "pairs", "difference", "low", "high",
+    "p_value", "verdict",
+)  # fmt: skip
+
+
+def write_comparisons_csv(path: Path, records: list[dict]) -> Path:
+    """``baseline_comparisons``' records; the interval and p-value are empty where one seed gives none."""
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COMPARISON_COLUMNS)
+        writer.writeheader()
+        for record in records:
+            shown = {k: ("" if isinstance(v, float) and math.isnan(v) else v) for k, v in record.items()}
+            writer.writerow(shown)
+    return path
+
+
+def comparison_lines(records: list[dict], baseline: str) -> list[str]:
+    """The baseline comparisons as results.md shows them (and the sweep prints them)."""
+    if not records:
+        return []
+    lines = [
+        f"Every encoding against {baseline}, per metric: a paired test over seeds (``lrpe_hf/training/verdicts.py``;"
+    ]
+    lines += ["better or worse when the 95% interval excludes 0, inconclusive otherwise):", ""]
+    lines += comparisons_table(records)
+    if any(r["pairs"] < 2 for r in records):
+        lines += ["", f"With one seed a difference has {ONE_PAIR}; its verdict is inconclusive."]
+    return lines
+
+
+def write_markdown(
+    path: Path, results: list[dict], title: str, mirrors: str, settings: dict, claims=(), comparisons=(), baseline=""
+) -> Path:
     names = metric_names(results)
     lines = [f"# {title}", ""]
     if mirrors:
@@ -77,6 +113,8 @@ def write_markdown(path: Path, results: list[dict], title: str, mirrors: str, se
         row += [cell([r["metrics"][n] for r in runs if n in r["metrics"]]) for n in names]
         row += [f"{statistics.fmean(r[k] for r in runs):,.1f}" for k in FIGURES]
         lines.append("| " + " | ".join(row + [str(len(runs))]) + " |")
+    if comparisons:
+        lines += ["", *comparison_lines(list(comparisons), baseline)]
     table = claims_table(results, list(claims))
     if len(table) > 2:
         lines += ["", "The papers' claims, each a paired test over seeds (``lrpe_hf/training/verdicts.py``):", ""]
@@ -150,10 +188,17 @@ def plot_extrapolation(path: Path, results: list[dict], lengths: list[int]) -> P
 
 
 def write_report(
-    output_dir: Path, results: list[dict], title: str, mirrors: str, settings: dict, claims=()
+    output_dir: Path, results: list[dict], title: str, mirrors: str, settings: dict, claims=(), baseline=None
 ) -> list[Path]:
+    """Every output of the sweep; ``baseline`` (default: the first encoding run) is what every other encoding is
+    compared with."""
+    baseline = baseline or results[0]["encoding"]
+    comparisons = baseline_comparisons(results, baseline, metric_names(results))
     written = [write_csv(output_dir / "results.csv", results)]
-    written.append(write_markdown(output_dir / "results.md", results, title, mirrors, settings, claims))
+    written.append(write_comparisons_csv(output_dir / "comparisons.csv", comparisons))
+    written.append(
+        write_markdown(output_dir / "results.md", results, title, mirrors, settings, claims, comparisons, baseline)
+    )
     names = [name for name in metric_names(results) if not name.startswith(LENGTH_PREFIX)]  # those: extrapolation
     written += [plot_metric(output_dir / f"metric_{name}.png", results, name) for name in names]
     written.append(plot_loss_curves(output_dir / "loss_curves.png", results))

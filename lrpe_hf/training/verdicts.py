@@ -9,10 +9,16 @@ that d > 0 means the claim's direction (for a lower-is-better metric, the score 
 - the verdict: *reproduced* when the interval lies above 0 (the paper's direction holds), *contradicted* when it
   lies below 0 (the opposite holds), *inconclusive* otherwise, or with fewer than two pairs.
 
-The comparison tool writes this table for a preset's claims (``presets.PRESETS[...]["claims"]``); run this module on
-a results.csv to recompute it::
+Any comparison gets the same rule: every encoding x feature map of a sweep against a baseline encoding (the first
+listed, or ``--baseline``), per metric, paired by seed: the difference (encoding - baseline, in the metric's
+units), its interval and p-value, and the verdict *better* (the interval, signed so that positive is better, lies
+above 0), *worse* (below 0) or *inconclusive*. One seed gives no interval, and says so.
+
+The comparison tool writes the claims' table for a preset (``presets.PRESETS[...]["claims"]``) and the baseline
+table for every sweep; run this module on a results.csv to recompute either::
 
     python -m lrpe_hf.training.verdicts --preset lrpe_table2 docs/data/medium/lrpe_table2.csv
+    python -m lrpe_hf.training.verdicts --baseline none docs/data/medium/lrpe_table2.csv
 """
 
 import argparse
@@ -93,17 +99,90 @@ def paired_claim(rows: list[dict], claim: Claim) -> PairedTest:
     """rows: one per run, with ``encoding``, ``seed`` and the claim's metric (results.csv's columns, or the
     comparison's results with their ``metrics``)."""
 
-    def scores(encoding):
-        by_seed = {}
-        for row in rows:
-            metrics = row.get("metrics", row)
-            if row["encoding"] == encoding and metrics.get(claim.metric) not in (None, ""):
-                by_seed[str(row["seed"])] = float(metrics[claim.metric])
-        return by_seed
-
-    better, worse = scores(claim.better), scores(claim.worse)
+    better, worse = scores(rows, claim.metric, claim.better), scores(rows, claim.metric, claim.worse)
     sign = -1.0 if lower_is_better(claim.metric) else 1.0
     return paired_test([sign * (better[seed] - worse[seed]) for seed in better if seed in worse])
+
+
+def scores(rows: list[dict], metric: str, encoding: str, feature_map: str | None = None) -> dict[str, float]:
+    """{seed: ``metric``} of ``encoding``'s runs (with ``feature_map`` where given); rows are results.csv's rows or
+    the comparison's results (their ``metrics``)."""
+    by_seed = {}
+    for row in rows:
+        metrics = row.get("metrics", row)
+        if row["encoding"] != encoding or (feature_map is not None and str(row.get("feature_map", "-")) != feature_map):
+            continue
+        if metrics.get(metric) not in (None, ""):
+            by_seed[str(row["seed"])] = float(metrics[metric])
+    return by_seed
+
+
+def versus_baseline(values: dict[str, float], reference: dict[str, float], metric: str) -> tuple[PairedTest, str]:
+    """The paired test of ``values - reference`` over the seeds both have (the raw difference, in the metric's
+    units), and its verdict under the claims' rule, read as *better* (the interval of the difference, signed so
+    that positive is better, lies above 0), *worse* (below 0) or *inconclusive*."""
+    seeds = [seed for seed in values if seed in reference]
+    sign = -1.0 if lower_is_better(metric) else 1.0
+    raw = paired_test([values[seed] - reference[seed] for seed in seeds])
+    signed = paired_test([sign * (values[seed] - reference[seed]) for seed in seeds])
+    return raw, {"reproduced": "better", "contradicted": "worse"}.get(signed.verdict, "inconclusive")
+
+
+def baseline_comparisons(rows: list[dict], baseline: str, metrics: list[str]) -> list[dict]:
+    """Every other encoding x feature map against ``baseline``, per metric, paired by seed: one record each
+    (encoding, feature_map, baseline, baseline_feature_map, metric, pairs, difference, low, high, p_value,
+    verdict). Each is paired with the baseline's runs of its own feature map where the baseline ran with it, else
+    with the baseline's first feature map (softmax runs have none, ``-``)."""
+    groups = []
+    for row in rows:
+        key = (row["encoding"], str(row.get("feature_map", "-")))
+        if key not in groups:
+            groups.append(key)
+    baseline_maps = [feature_map for encoding, feature_map in groups if encoding == baseline]
+    if not baseline_maps:
+        raise ValueError(f"The baseline {baseline!r} has no runs; encodings run: {', '.join(e for e, _ in groups)}")
+    records = []
+    for encoding, feature_map in groups:
+        if encoding == baseline:
+            continue
+        reference_map = feature_map if feature_map in baseline_maps else baseline_maps[0]
+        for metric in metrics:
+            values = scores(rows, metric, encoding, feature_map)
+            reference = scores(rows, metric, baseline, reference_map)
+            test, verdict = versus_baseline(values, reference, metric)
+            if test.pairs == 0:
+                continue
+            records.append(
+                dict(encoding=encoding, feature_map=feature_map, baseline=baseline, baseline_feature_map=reference_map,
+                     metric=metric, pairs=test.pairs, difference=test.mean, low=test.low, high=test.high,
+                     p_value=test.p_value, verdict=verdict)
+            )  # fmt: skip
+    return records
+
+
+ONE_PAIR = "no interval: one seed (run --seeds 2 or more)"
+
+
+def comparisons_table(records: list[dict]) -> list[str]:
+    """Markdown lines of ``baseline_comparisons``' records."""
+    lines = [
+        "| encoding | feature map | metric | against | pairs | paired difference (encoding - baseline) | "
+        "95% interval | p | verdict |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in records:
+        against = (
+            r["baseline"] if r["baseline_feature_map"] == "-" else f"{r['baseline']} ({r['baseline_feature_map']})"
+        )
+        if r["pairs"] < 2:
+            interval, p_value = ONE_PAIR, "-"
+        else:
+            interval, p_value = f"[{r['low']:+.3g}, {r['high']:+.3g}]", f"{r['p_value']:.2g}"
+        lines.append(
+            f"| {r['encoding']} | {r['feature_map']} | {r['metric']} | {against} | {r['pairs']} | "
+            f"{r['difference']:+.4g} | {interval} | {p_value} | {r['verdict']} |"
+        )
+    return lines
 
 
 def claims_table(rows: list[dict], claims: list[Claim]) -> list[str]:
@@ -127,12 +206,20 @@ def claims_table(rows: list[dict], claims: list[Claim]) -> list[str]:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", required=True, choices=[name for name in PRESETS if PRESETS[name].get("claims")])
+    parser.add_argument("--preset", choices=[name for name in PRESETS if PRESETS[name].get("claims")])
+    parser.add_argument("--baseline", help="every other encoding against this one, per metric")
     parser.add_argument("results_csv")
     args = parser.parse_args()
+    if not (args.preset or args.baseline):
+        parser.error("give --preset (its claims) or --baseline (every encoding against it)")
     with open(args.results_csv, newline="") as f:
         rows = list(csv.DictReader(f))
-    print("\n".join(claims_table(rows, PRESETS[args.preset]["claims"])))
+    if args.preset:
+        print("\n".join(claims_table(rows, PRESETS[args.preset]["claims"])))
+    if args.baseline:
+        fixed = ("task", "encoding", "feature_map", "seed", "train_time_s", "train_tokens_per_s", "peak_memory_mb")
+        metrics = [name for name in rows[0] if name not in fixed]
+        print("\n".join(comparisons_table(baseline_comparisons(rows, args.baseline, metrics))))
 
 
 if __name__ == "__main__":
