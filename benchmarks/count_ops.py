@@ -971,7 +971,8 @@ def main():
         for step in ("decode", "train") for name in names if name in shown
     ]  # fmt: skip
 
-    write_provenance(args.output_dir / "ops.json", "cpu")
+    csvs = ["ops.csv", "top_ops.csv", *(["compiled.csv"] if compiled else []), *(["roofline.csv"] if roofline else [])]
+    write_provenance(args.output_dir / "ops.json", "cpu", files=csvs)
     write_csv(args.output_dir / "ops.csv", eager)
     write_csv(args.output_dir / "top_ops.csv", top)
     if compiled:

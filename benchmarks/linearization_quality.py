@@ -22,8 +22,9 @@ embedded tweet sentiment data (3 classes, 10,000 training and 2,000 validation t
 Each run's metrics go to ``<output_dir>/seed<N>/<run>/result.json`` (a finished run is reused when the script is run
 again) and one row per run to ``<output_dir>/results.csv``, which keeps the rows of earlier invocations (other
 seeds, other transfer settings: ``--transfer_steps 300 --scratch_encoding ""`` adds a variant of the students
-beside the others). The table of accuracy recovered, each student against the softmax model of the same steps
-paired by seed, is printed.
+beside the others); ``<output_dir>/results.json`` records every invocation that wrote into it (command, commit and
+whether the tree was clean, device, versions, threads, date, seconds: ``lrpe_hf.training.provenance``). The
+table of accuracy recovered, each student against the softmax model of the same steps paired by seed, is printed.
 """
 
 import argparse
@@ -39,6 +40,7 @@ import torch
 
 from lrpe_hf import linearize, linearize_transfer_parameters
 from lrpe_hf.training import glue, linearization
+from lrpe_hf.training.provenance import write_record
 from lrpe_hf.training.tables import linearization_table
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "tweet_sentiment"
@@ -181,6 +183,8 @@ def main():
         row("linear from scratch", steps, metrics, "elu", args.scratch_encoding)
 
     rows = merged(out / "results.csv", rows)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    write_record(out / "results.json", ["results.csv"], "benchmarks/linearization_quality.py", device, append=True)
     print("\n".join(linearization_table(rows)))
 
 

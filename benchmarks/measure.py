@@ -1,18 +1,17 @@
 """Timing and peak-memory helpers shared by the benchmark scripts."""
 
-import datetime
 import gc
 import json
 import os
-import platform
 import resource
-import shlex
 import statistics
-import subprocess
 import sys
 import time
+from pathlib import Path
 
 import torch
+
+from lrpe_hf.training.provenance import process_seconds, write_record
 
 
 def timed(fn, device, reps):
@@ -52,28 +51,18 @@ def allocator_note() -> str:
     return "CPU allocator: default (THP_MEM_ALLOC_ENABLE unset)"
 
 
-def write_provenance(path, device: str):
-    """``path`` (a JSON file beside the run's CSV): the command, the code's commit, the machine and the date."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    git = ["git", "-C", root, "describe", "--always", "--dirty", "--abbrev=12"]
-    commit = subprocess.run(git, capture_output=True, text=True).stdout.strip() or "unknown"
-    if device == "cuda":
-        machine = torch.cuda.get_device_name()
-    else:
-        with open("/proc/cpuinfo") as f:
-            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
-        machine = f"{model or platform.processor()}, {os.cpu_count()} cores"
-    record = dict(
-        command="python " + shlex.join([os.path.relpath(sys.argv[0], root), *sys.argv[1:]]),
-        commit=commit,
-        device=machine,
-        date=datetime.date.today().isoformat(),
-        torch=torch.__version__,
-        threads=torch.get_num_threads(),
-        allocator=allocator_note() if device == "cpu" else "CUDA caching allocator",
-    )
-    with open(path, "w") as f:
-        json.dump(record, f, indent=2)
+def write_provenance(path, device: str, files=None):
+    """``path`` (a JSON record beside the run's CSVs, ``lrpe_hf.training.provenance``): the command, the commit and
+    whether the tree was clean, the machine, torch and transformers versions, threads, date and seconds. ``files``:
+    the CSVs it covers (default: those this process wrote into ``path``'s folder, else the one named like
+    ``path``)."""
+    path = Path(path)
+    if files is None:
+        started = time.time() - process_seconds() - 1
+        files = [csv.name for csv in sorted(path.parent.glob("*.csv")) if csv.stat().st_mtime >= started]
+    script = os.path.relpath(os.path.abspath(sys.argv[0]), Path(__file__).resolve().parents[1])
+    allocator = allocator_note() if device == "cpu" else "CUDA caching allocator"
+    return write_record(path, files or [path.stem + ".csv"], script, device, allocator=allocator)
 
 
 def resident_mb():

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import torch
+import transformers
 from transformers import AutoTokenizer, BertConfig, BertModel
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
@@ -32,10 +33,14 @@ def test_each_benchmark_records_its_command_commit_machine_and_date(tmp_path):
     command += ["--encodings", "rope", "--out", str(tmp_path)]
     assert subprocess.run(command, capture_output=True, text=True, timeout=300).returncode == 0
     record = json.loads((tmp_path / "encodings.json").read_text())
-    assert record["command"].startswith("python benchmarks/benchmark_encodings.py --tokens 32")
-    assert re.fullmatch(r"[0-9a-f]{7,40}(-dirty)?|unknown", record["commit"])
-    assert record["date"] == datetime.date.today().isoformat()
-    assert record["device"] and record["torch"] == torch.__version__
+    assert record["written_by"] == "benchmarks/benchmark_encodings.py" and record["files"] == ["encodings.csv"]
+    (entry,) = record["invocations"]
+    assert entry["command"].startswith("python benchmarks/benchmark_encodings.py --tokens 32")
+    assert entry["commit"] is None or re.fullmatch(r"[0-9a-f]{40}", entry["commit"])
+    assert entry["clean"] in (True, False, None) and isinstance(entry["changes"], list)
+    assert entry["date"].startswith(datetime.datetime.now(datetime.timezone.utc).date().isoformat())
+    assert entry["device"] and entry["torch"] == torch.__version__ and entry["transformers"] == transformers.__version__
+    assert entry["threads"] >= 1 and entry["seconds"] > 0 and entry["allocator"].startswith("CPU allocator")
 
 
 def test_linearization_benchmark_runs_every_stage_with_a_local_teacher(workspace, tmp_path):
@@ -68,6 +73,9 @@ def test_linearization_benchmark_runs_every_stage_with_a_local_teacher(workspace
     assert 0 <= float(rows[transferred]["accuracy_after_transfer"]) <= 1
     assert float(rows[transferred]["transfer_loss_eval"]) >= 0
     assert "| linearized, 2 output_mse steps | hedgehog | none |" in result.stdout
+    record = json.loads((tmp_path / "out/results.json").read_text())
+    assert record["written_by"] == "benchmarks/linearization_quality.py" and record["files"] == ["results.csv"]
+    assert record["invocations"][0]["command"].startswith("python benchmarks/linearization_quality.py --teacher")
 
     # a variant of one student joins the table; the baselines are reused, the earlier rows kept
     variant = [*base, "--feature_maps", "hedgehog", "--transfer_steps", "3", "--scratch_encoding", ""]
@@ -76,3 +84,5 @@ def test_linearization_benchmark_runs_every_stage_with_a_local_teacher(workspace
     with open(tmp_path / "out/results.csv") as f:
         models = sorted(r["model"] for r in csv.DictReader(f))
     assert models == sorted([*(m for m, _ in rows), "linearized, 3 output_mse steps"])
+    invocations = json.loads((tmp_path / "out/results.json").read_text())["invocations"]
+    assert len(invocations) == 2 and "--transfer_steps 3" in invocations[1]["command"]  # both wrote into the CSV

@@ -82,6 +82,13 @@ def test_a_sweep_compares_every_encoding_with_the_first_paired_by_seed(sweep):
     assert record["verdict"] == expected
     markdown = (sweep / "results.md").read_text()
     assert "Every encoding against rope" in markdown
+    record = json.loads((sweep / "results.json").read_text())
+    assert record["written_by"] == "run_scripts/compare_encodings.py"
+    assert record["files"] == ["comparisons.csv", "results.csv"]
+    (entry,) = record["invocations"]
+    assert entry["runs"] == entry["runs_trained"] == 4 and entry["jobs"] == 2 and entry["threads_per_run"] == 1
+    for field in ("command", "commit", "clean", "device", "torch", "transformers", "threads", "date", "seconds"):
+        assert field in entry, field
     assert "| softmax:rope | - | accuracy | rope (elu) | 2 |" in markdown
 
 
@@ -102,6 +109,8 @@ def test_a_killed_sweep_resumes_without_retraining_finished_runs(sweep, tmp_path
     assert len(read_csv(out / "results.csv")) == 4
     printed = capsys.readouterr().out
     assert printed.count("finished earlier, skipped") == 3
+    invocations = json.loads((out / "results.json").read_text())["invocations"]
+    assert len(invocations) == 2 and invocations[1]["runs_trained"] == 1  # the resumed sweep's own entry
     assert "Every encoding against rope" in printed and "| softmax:rope | - | accuracy | rope (elu) | 2 |" in printed
     assert "[3/4] rope-elu-seed1: started" in printed and "[3/4] rope-elu-seed1: finished in" in printed
 

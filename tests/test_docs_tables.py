@@ -2,13 +2,15 @@
 came from: a table edited by hand, or data without its command, fails here."""
 
 import importlib.util
+import json
 import math
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
 
-from lrpe_hf.training import tables
+from lrpe_hf.training import provenance, tables
 
 ROOT = Path(__file__).resolve().parent.parent
 spec = importlib.util.spec_from_file_location("build_tables", ROOT / "docs" / "build_tables.py")
@@ -31,16 +33,123 @@ def test_the_docs_build_their_tables_from_data():
     assert {"verdicts", "encodings", "linearization", "floors", "models"} <= kinds, kinds
 
 
+DATA = ROOT / "docs" / "data"
+# The CSVs written before the tools wrote records: their records were reconstructed by hand from git history
+# ("written_by": "reconstructed", unknown facts null). No other CSV may have such a record.
+LEGACY = {
+    *(f"medium/{name}.csv" for name in (
+        "lrpe_table2", "lrpe_table1", "image", "extrapolation", "synthetic_copy", "synthetic_recall",
+        "text_feature_maps", "image_feature_maps",
+    )),
+    "medium_cpu/lrpe_table2.csv", "medium_cpu/lrpe_table1.csv", "medium_cpu/image.csv",
+    "linearization/minilm_tweet_sentiment.csv",
+    "benchmarks/encodings/encodings.csv", "benchmarks/attention/results.csv", "benchmarks/models/models.csv",
+    *(f"benchmarks/ops/{name}.csv" for name in ("ops", "top_ops", "compiled", "roofline")),
+    "benchmarks/ops_bf16/ops.csv", "benchmarks/ops_bf16/compiled.csv",
+}  # fmt: skip
+MACHINE_FIELDS = ("command", "commit", "clean", "device", "torch", "transformers", "threads", "date", "seconds")
+
+
+def git(*args: str) -> subprocess.CompletedProcess | None:
+    try:
+        return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True, timeout=30)
+    except OSError:
+        return None
+
+
+def in_history(commit: str) -> bool | None:
+    """Whether ``commit`` is HEAD or one of its ancestors; None without a git checkout."""
+    head = git("rev-parse", "HEAD")
+    if head is None or head.returncode != 0:
+        return None
+    return (
+        bool(re.fullmatch(r"[0-9a-f]{40}", commit))
+        and git("merge-base", "--is-ancestor", commit, "HEAD").returncode == 0
+    )
+
+
+def record_problems(name: str, record: dict) -> list[str]:
+    """What is wrong with ``record`` as the provenance of docs/data/``name``: a record written by a tool names
+    every fact of every invocation, a commit in this repository's history and a clean tree; a reconstructed one is
+    allowed for the LEGACY files only, and any commit it names must be real too."""
+    invocations = record.get("invocations") or []
+    problems = [] if invocations else [f"{name}: its record lists no invocation"]
+    reconstructed = record.get("written_by") == "reconstructed"
+    if not record.get("written_by"):
+        problems.append(f"{name}: its record does not say what wrote it (written_by)")
+    if reconstructed and name not in LEGACY:
+        problems.append(f"{name}: a reconstructed record; data written since the tools record themselves needs theirs")
+    for entry in invocations:
+        needed = ("command", "date") if reconstructed else MACHINE_FIELDS
+        missing = [field for field in needed if field not in entry or (not reconstructed and entry[field] is None)]
+        if missing:
+            problems.append(f"{name}: its record lacks {', '.join(missing)}")
+        commit = entry.get("commit")
+        if commit is not None and in_history(commit) is False:
+            problems.append(f"{name}: commit {commit} is not in this repository's history")
+        if not reconstructed and entry.get("clean") is not True:
+            problems.append(f"{name}: written from a tree with uncommitted changes: {entry.get('changes')}")
+    return problems
+
+
+def csv_names() -> list[str]:
+    return [str(path.relative_to(DATA)) for path in sorted(DATA.rglob("*.csv"))]
+
+
+@pytest.mark.parametrize("name", csv_names())
+def test_every_csv_under_docs_data_has_its_record(name):
+    """Beside each CSV, the JSON record the tool that wrote it wrote (``lrpe_hf.training.provenance``)."""
+    path = provenance.record_of(DATA / name)
+    assert path is not None, f"docs/data/{name} has no record beside it (X.json, or a record listing it in files)"
+    record = json.loads(path.read_text())
+    assert Path(name).name in record.get("files", []), f"{path.name} does not list {Path(name).name}"
+    assert not record_problems(name, record)
+
+
+def test_a_record_without_a_clean_known_commit_fails():
+    head = git("rev-parse", "HEAD")
+    commit = head.stdout.strip() if head is not None and head.returncode == 0 else "f" * 40
+    good = dict(command="python x.py", commit=commit, clean=True, device="cpu", torch="2", transformers="5",
+                threads=1, date="2026-11-25", seconds=1.0)  # fmt: skip
+    assert not record_problems("new/x.csv", dict(written_by="x.py", invocations=[good]))
+    dirty = dict(good, clean=False, changes=["M lrpe_hf/x.py"])
+    assert "uncommitted changes" in " ".join(record_problems("new/x.csv", dict(written_by="x.py", invocations=[dirty])))
+    if in_history(commit) is not None:
+        unknown = dict(good, commit="0" * 40)
+        assert (
+            "not in this repository's history"
+            in record_problems("new/x.csv", dict(written_by="x.py", invocations=[unknown]))[0]
+        )
+    assert (
+        "lacks seconds"
+        in record_problems("new/x.csv", dict(written_by="x.py", invocations=[dict(good, seconds=None)]))[0]
+    )
+    legacy = dict(written_by="reconstructed", invocations=[dict(command="c", date="2026-11-22", commit=None)])
+    assert not record_problems("medium/image.csv", legacy)
+    assert "reconstructed record" in record_problems("new/x.csv", legacy)[0]
+
+
 def test_every_csv_under_docs_data_says_where_it_came_from():
-    """docs/data/README.md names each CSV in a row that gives its command, commit, device and date."""
-    readme = (ROOT / "docs/data/README.md").read_text()
+    """docs/data/README.md names each CSV in a row that gives its command, commit, device and date, and agrees
+    with its record: the row's code names each commit the record names (or says unknown where it has none and
+    knows none), and its date each invocation's date."""
+    readme = (DATA / "README.md").read_text()
     rows = {line.split("|")[1].strip().strip("`"): line for line in readme.splitlines() if line.startswith("| `")}
-    for path in sorted((ROOT / "docs/data").rglob("*.csv")):
-        name = str(path.relative_to(ROOT / "docs/data"))
+    for name in csv_names():
         assert name in rows, f"docs/data/README.md has no row for {name}"
         cells = [c.strip() for c in rows[name].split("|")[2:-1]]
         assert len(cells) >= 5 and all(cells), f"{name}: command, profile/seeds, device, code, date: {cells}"
         assert re.search(r"20\d\d-\d\d-\d\d", rows[name]), f"{name}: no date"
+        code, date = cells[-2], cells[-1]
+        for entry in json.loads(provenance.record_of(DATA / name).read_text())["invocations"]:
+            assert entry["date"][:10] in date, f"{name}: the row's date {date!r}, the record's {entry['date']}"
+            if entry.get("commit"):
+                assert entry["commit"][:7] in code, f"{name}: the row's code {code!r}, the record's {entry['commit']}"
+            elif str(entry.get("code", "unknown")).startswith("unknown"):
+                assert "unknown" in code, f"{name}: the record knows no commit, the row's code says {code!r}"
+            else:
+                for commit in re.findall(r"\b[0-9a-f]{7}\b", entry["code"]):
+                    assert commit in code, f"{name}: the row's code {code!r}, the record's {entry['code']!r}"
 
 
 def test_a_table_naming_missing_data_or_an_unknown_kind_fails():

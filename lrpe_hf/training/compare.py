@@ -59,8 +59,10 @@ Outputs in ``--output_dir``: ``runs/<run>/`` (each run's own output: checkpoint,
 ``result.json``), ``results.csv`` (one row per run), ``results.md`` (one row per encoding x feature map, mean +-
 std over seeds; every other encoding against the baseline, the first listed or ``--baseline``, per metric, paired by
 seed: difference, 95% interval, p-value and the verdict better / worse / inconclusive, as ``verdicts.py`` decides
-the papers' claims; and the preset's claims), ``comparisons.csv`` (that baseline table), ``metric_<name>.png``,
-``loss_curves.png`` and, with ``--eval_lengths``, ``extrapolation.png``. The sweep prints the baseline table when it ends.
+the papers' claims; and the preset's claims), ``comparisons.csv`` (that baseline table), ``results.json`` (the
+record of every invocation that wrote them: command, commit and whether the tree was clean, device, torch and
+transformers versions, threads, date, seconds; ``provenance.py``), ``metric_<name>.png``, ``loss_curves.png`` and,
+with ``--eval_lengths``, ``extrapolation.png``. The sweep prints the baseline table when it ends.
 
 Each run trains in a fresh process, forked from a server process that has already imported the libraries
 (``multiprocessing``'s forkserver): the run's peak resident memory is its own, its state (seeds, threads) starts
@@ -80,6 +82,7 @@ from dataclasses import dataclass, field, fields
 from multiprocessing.connection import wait
 from pathlib import Path
 
+import torch
 from transformers import HfArgumentParser
 
 from .. import LinearGPTConfig, LinearRobertaConfig, LinearViTConfig
@@ -88,6 +91,7 @@ from . import compare_report
 from .arguments import ModelArguments, build_config
 from .compare_tasks import ABSOLUTE_BASELINES, RUNNERS, as_strings, execute_run, load_result, model_arguments
 from .presets import PRESETS
+from .provenance import write_record
 from .tokenizer import TokenizerArguments, train_tokenizer
 from .verdicts import baseline_comparisons
 
@@ -506,6 +510,7 @@ def main(args=None):
         train_default_tokenizer(tokenizer, settings)
     preset = PRESETS.get(parsed.preset, {})
     print(f"{len(runs)} runs of task {settings['task']} into {output_dir}", flush=True)
+    trained_before = sum(load_result(Path(run["run_dir"])) is not None for run in runs)
     results = sweep(runs, output_dir, settings["jobs"])
     title = f"Preset {parsed.preset}" if parsed.preset else f"Task {settings['task']}"
     feature_maps = ",".join(settings["feature_maps"] or ["each encoding's default"])
@@ -513,6 +518,12 @@ def main(args=None):
     written = compare_report.write_report(
         output_dir, results, title, preset.get("mirrors", ""), shown, preset.get("claims", []), settings["baseline"]
     )
+    csvs = [path.name for path in written if path.suffix == ".csv"]
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    sweep_facts = dict(jobs=settings["jobs"], threads_per_run=settings["threads"], runs=len(runs))
+    sweep_facts["runs_trained"] = len(runs) - trained_before
+    record = output_dir / "results.json"
+    written.append(write_record(record, csvs, "run_scripts/compare_encodings.py", device, append=True, **sweep_facts))
     baseline = settings["baseline"]
     comparisons = baseline_comparisons(results, baseline, compare_report.metric_names(results))
     print("\n".join(["", *compare_report.comparison_lines(comparisons, baseline), ""]), flush=True)
