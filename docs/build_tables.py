@@ -14,6 +14,8 @@ Kinds (``lrpe_hf/training/tables.py`` renders them):
 - ``encodings CSV METRIC BASELINE``: per encoding x feature map, mean ± std and the paired difference to BASELINE;
 - ``grid CSV METRIC``: encodings down, feature maps across;
 - ``lengths CSV``: perplexity at each evaluation length, and its change from the first to the last;
+- ``changes CSV BASELINE``: each encoding's change of perplexity from the first length to the last, paired with
+  BASELINE's (the verdict rule's interval, p-value and word);
 - ``columns LABEL=CSV:METRIC ...``: several sweeps side by side (LABEL's underscores become spaces);
 - ``linearization CSV``: accuracy recovered by linearized students (``benchmarks/linearization_quality.py``);
 - ``floors CSV``: each attention layer over its own projections (``benchmarks/benchmark_attention.py``);
@@ -62,6 +64,9 @@ def build(spec: str) -> list[str]:
         return tables.grid_table(read(name), metric)
     if kind == "lengths":
         return tables.lengths_table(read(*args))
+    if kind == "changes":
+        name, baseline = args
+        return tables.length_change_table(read(name), baseline)
     if kind == "columns":
         sources = []
         for arg in args:

@@ -197,3 +197,15 @@ def test_linearization_table_recovery_is_the_mean_per_seed_ratio():
     line = tables.linearization_table(rows)[3].split(" | ")
     assert line[5] == f"{100 * (0.40 / 0.80 + 0.50 / 0.50) / 2:.1f}%"  # 75.0%, not the ratio of means (69.2%)
     assert line[7] == "0.4 ± 0.14"
+
+
+def test_length_change_table_pairs_each_runs_change_with_the_baselines():
+    def run(encoding, seed, start, end):
+        return dict(encoding=encoding, feature_map="elu", seed=seed, perplexity_at_128=start, perplexity_at_2048=end)
+
+    rows = [run("none", 0, 100.0, 110.0), run("none", 1, 100.0, 120.0), run("none", 2, 200.0, 230.0)]
+    rows += [run("rope", 0, 100.0, 112.0), run("rope", 1, 100.0, 125.0), run("rope", 2, 200.0, 232.0)]
+    line = tables.length_change_table(rows, "none")[3].split(" | ")
+    # changes (%): none 10, 20, 15; rope 12, 25, 16; differences 2, 5, 1: mean 8/3, sd sqrt(13/3)
+    mean, half = 8 / 3, T_975_2 * math.sqrt(13 / 3) / math.sqrt(3)
+    assert line[3] == f"{mean:+.4g} [{mean - half:+.3g}, {mean + half:+.3g}]" and line[5] == "inconclusive"

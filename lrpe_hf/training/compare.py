@@ -48,8 +48,8 @@ Presets (the papers' headline comparisons, at small scale):
   here masked-LM pretraining on the Wikipedia leads, then fine-tuning on the embedded tweet sentiment task. The
   paper's rows: sinusoidal (its "Base"), rope, spe_sine, permute (r = 1) and the three LRPE types.
 - ``image``: LRPE Table 3 (DeiT on ImageNet), PermuteFormer's and FastRPB's image results: LinearViT on the
-  embedded Fashion-MNIST subset (28 px, 4 px patches) with every 2D encoding, none, learned, and softmax with
-  learned absolute positions (ViT itself).
+  embedded Fashion-MNIST subset (28 px, 4 px patches) with every 2D encoding, none, learned, sinusoidal (the
+  paper's Base), and softmax with learned absolute positions (ViT itself).
 - ``extrapolation``: train LinearGPT at 64 tokens, evaluate at 64 to 1024 (1x to 16x): perplexity against
   evaluation length per encoding (``extrapolation.png``).
 - ``synthetic_copy``: output the token 4 positions back (content cannot tell which token that is).

@@ -9,7 +9,7 @@ import math
 import statistics
 
 from .compare_report import cell
-from .verdicts import lower_is_better, paired_test
+from .verdicts import lower_is_better, paired_test, versus_baseline
 
 ROW_KEYS = ("encoding", "feature_map")
 
@@ -91,6 +91,39 @@ def lengths_table(rows: list[dict], prefix: str = "perplexity_at_") -> list[str]
         start, end = by_seed(rows, first, **match), by_seed(rows, last, **match)
         change = statistics.fmean(end[s] / start[s] - 1 for s in start)
         body.append([encoding, *cells, f"{100 * change:+.1f}%", str(len(start))])
+    return markdown(header, body)
+
+
+def length_change_table(rows: list[dict], baseline: str, prefix: str = "perplexity_at_") -> list[str]:
+    """Each run's change of perplexity from the first evaluation length to the last (percent), per encoding, and
+    its paired difference to ``baseline``'s change in percentage points, with the verdict rule's interval, p-value
+    and word (better: degrades less)."""
+    lengths = sorted({int(k.removeprefix(prefix)) for row in rows for k in row if k.startswith(prefix)})
+    first, last = f"{prefix}{lengths[0]}", f"{prefix}{lengths[-1]}"
+
+    def changes(encoding: str, feature_map: str | None = None) -> dict[str, float]:
+        match = dict(encoding=encoding) if feature_map is None else dict(encoding=encoding, feature_map=feature_map)
+        start, end = by_seed(rows, first, **match), by_seed(rows, last, **match)
+        return {seed: 100 * (end[seed] / start[seed] - 1) for seed in start if seed in end}
+
+    reference = changes(baseline)
+    span = f"{lengths[0]:,} -> {lengths[-1]:,}"
+    header = [
+        "encoding", "feature map", f"change {span}, % (lower is better)",
+        f"paired difference to {baseline} (points)", "p", "verdict", "seeds",
+    ]  # fmt: skip
+    body = []
+    for encoding, feature_map in groups(rows):
+        values = changes(encoding, feature_map)
+        if encoding == baseline:
+            body.append([encoding, feature_map, cell(list(values.values())), "0", "-", "-", str(len(values))])
+            continue
+        test, verdict = versus_baseline(values, reference, "perplexity change")
+        p_value = f"{test.p_value:.2g}" if test.pairs > 1 else "-"
+        body.append(
+            [encoding, feature_map, cell(list(values.values())), paired_cell(values, reference), p_value, verdict,
+             str(len(values))]
+        )  # fmt: skip
     return markdown(header, body)
 
 
