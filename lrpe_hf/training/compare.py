@@ -29,10 +29,10 @@ Profiles:
   steps (mlm: 50 pretraining and 30 fine-tuning steps), a 2,048-token BPE vocabulary; image: 28 px in 4 px
   patches, batch 32, 50 steps; synthetic: 32 tokens, batch 32, 120 steps; two one-thread runs at once. Enough to
   separate encodings on the synthetic tasks; on text, the models stay close to unigram statistics.
-- ``medium`` (one GPU, about 20 s a run; or 2 CPU cores, about 3 min a run): 2 layers x 128, 4 heads, FFN 512; text:
-  blocks of 128 tokens, batch 16, 400 steps (mlm: 400 pretraining and 200 fine-tuning steps), an 8,192-token BPE
-  vocabulary; image: batch 64, 400 steps; synthetic: 64 tokens, batch 64, 400 steps. The text models get past
-  unigram statistics (perplexity about 200 to 300), so the encodings separate.
+- ``medium`` (one GPU, 7 to 26 s of training a run; or 2 CPU cores, 1 to 12 min a run): 2 layers x 128, 4 heads,
+  FFN 512; text: blocks of 128 tokens, batch 16, 400 steps (mlm: 400 pretraining and 200 fine-tuning steps), an
+  8,192-token BPE vocabulary; image: batch 64, 400 steps; synthetic: 64 tokens, batch 64, 400 steps. The text models
+  get past unigram statistics (perplexity about 250 to 320 for the causal LM), so the encodings separate.
 - ``full`` (one GPU): the papers' sizes: causal LM 6 x 512, 8 heads, FFN 2048, 512 tokens, batch 32, 50k steps
   (LRPE Appendix E); masked LM RoBERTa-base (12 x 768), 23k steps, then 3k fine-tuning steps; image DeiT-small
   (12 x 384, 6 heads), batch 128, 10k steps; synthetic 4 x 256 at 256 tokens, 20k steps. The embedded corpus
