@@ -16,7 +16,7 @@ import math
 import statistics
 from pathlib import Path
 
-from .verdicts import ONE_PAIR, baseline_comparisons, claims_table, comparisons_table
+from .verdicts import baseline_comparisons, claims_table, comparisons_table
 
 LENGTH_PREFIX = "perplexity_at_"
 FIGURES = ("train_time_s", "train_tokens_per_s", "peak_memory_mb")
@@ -91,7 +91,7 @@ def comparison_lines(records: list[dict], baseline: str) -> list[str]:
     lines += ["better or worse when the 95% interval excludes 0, inconclusive otherwise):", ""]
     lines += comparisons_table(records)
     if any(r["pairs"] < 2 for r in records):
-        lines += ["", f"With one seed a difference has {ONE_PAIR}; its verdict is inconclusive."]
+        lines += ["", "One seed gives no interval (run --seeds 2 or more), so those verdicts stay inconclusive."]
     return lines
 
 
