@@ -62,6 +62,8 @@ def in_history(commit: str) -> bool | None:
     head = git("rev-parse", "HEAD")
     if head is None or head.returncode != 0:
         return None
+    if git("rev-parse", "--is-shallow-repository").stdout.strip() == "true":
+        return None  # a shallow clone lacks the history to look in
     return (
         bool(re.fullmatch(r"[0-9a-f]{40}", commit))
         and git("merge-base", "--is-ancestor", commit, "HEAD").returncode == 0
