@@ -40,3 +40,12 @@ def test_changes_inside_the_output_folder_leave_the_tree_clean(monkeypatch):
     assert provenance.working_tree(provenance.ROOT / "docs/data/new") == ("f" * 40, True, [])
     monkeypatch.setattr(provenance, "git", lambda *args: None)  # not a git checkout
     assert provenance.working_tree(provenance.ROOT / "out") == (None, None, [])
+
+
+def test_the_command_is_written_as_it_is_typed(monkeypatch):
+    monkeypatch.setattr(
+        provenance.sys, "argv", [str(provenance.ROOT / "run_scripts/compare_encodings.py"), "--seeds", "5"]
+    )
+    assert provenance.command_line() == "python run_scripts/compare_encodings.py --seeds 5"
+    monkeypatch.setattr(provenance.sys, "argv", [str(provenance.ROOT / "lrpe_hf/__main__.py"), "compare_encodings"])
+    assert provenance.command_line() == "python -m lrpe_hf compare_encodings"

@@ -83,7 +83,11 @@ def process_seconds() -> float:
 
 
 def command_line() -> str:
+    """The command as it can be typed again from the checkout's root (``python -m lrpe_hf ...`` for the package's
+    entry point)."""
     script = sys.argv[0]
+    if Path(script).name == "__main__.py":
+        return "python " + shlex.join(["-m", Path(script).resolve().parent.name, *sys.argv[1:]])
     try:
         script = os.path.relpath(script, ROOT) if os.path.isabs(script) or os.path.exists(script) else script
     except ValueError:
