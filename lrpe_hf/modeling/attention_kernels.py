@@ -55,6 +55,7 @@ def causal_linear_attention(
     with_denominator=False,
     divide_eps: float | None = None,
     backend: str = "auto",
+    update_in_place: bool = False,
 ):
     """q, k (B, H, N, m); v (B, H, N, dv); log_gates (B, H, N) or None; initial_state (B, H, m, dv') or None;
     chunk_size None picks ``default_chunk_size(N)``; resets (B, N) bool or None; ``with_denominator``: also the
@@ -68,6 +69,9 @@ def causal_linear_attention(
     ``divide_eps`` (a number, with the denominator, where no gradient is wanted): out is returned divided by the
     denominator + divide_eps, in the memory order (B, N, H, dv) of ``divide_rows``; the ungated product divides
     each block as it makes it.
+
+    ``update_in_place`` (where no gradient is wanted): a one-token step on the torch path may write the final
+    state over ``initial_state`` (a decoding cache's stored state, overwritten with it anyway).
 
     ``backend``: ``torch`` (the products below), ``triton`` (fla's kernels, ``products_triton.py``; raises where
     they cannot run) or ``auto`` (fla's kernels where they can run, torch otherwise). The chunk size is the torch
@@ -84,7 +88,7 @@ def causal_linear_attention(
             q, k, v, log_gates, initial_state, chunk_size, resets, with_denominator, dtype, backend
         )
         if divide_eps is not None:
-            out = divide_rows(out, denominator, divide_eps)[0]
+            out = divide_rows(out, denominator, divide_eps, with_reciprocal=False)[0]
         return out, denominator, final
     decay = uniform_decay(log_gates, initial_state, resets) if N > 1 else None  # one token: its gate as given
     if backend == "torch":
@@ -99,7 +103,7 @@ def causal_linear_attention(
             q, k, v, None if decay is not None else log_gates, decay, initial_state, resets, with_denominator, dtype
         )
         if divide_eps is not None:
-            out = divide_rows(out, denominator, divide_eps)[0]
+            out = divide_rows(out, denominator, divide_eps, with_reciprocal=False)[0]
         return out, denominator, final
     if resets is not None and log_gates is None:
         log_gates = q.new_zeros(B, H, N, dtype=torch.promote_types(q.dtype, torch.float32))
@@ -125,14 +129,14 @@ def causal_linear_attention(
     if with_denominator:  # a ones column: these paths' products are per chunk or per token, not the bulk
         v = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
     if N == 1:
-        out, final = recurrent_step(q, k, v, log_gates, initial_state, resets)
+        out, final = recurrent_step(q, k, v, log_gates, initial_state, resets, update_in_place)
     else:
         out, final = gated_chunks(q, k, v, log_gates, initial_state, C, resets, dtype)
         out = out[:, :, :N]
     if with_denominator:  # one split: its backward joins the two gradients, where slices would each fill a zero one
         out, denominator = out.split([out.shape[-1] - 1, 1], dim=-1)
         if divide_eps is not None:
-            out = divide_rows(out, denominator, divide_eps)[0]
+            out = divide_rows(out, denominator, divide_eps, with_reciprocal=False)[0]
         return out, denominator, final
     return out, None, final
 

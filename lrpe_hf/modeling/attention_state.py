@@ -23,6 +23,8 @@ class TensorState:
         training), then as a copy if ``value`` views another tensor (a later write in place must not reach it),
         marked as a static address for compilers."""
         current = getattr(self, name)
+        if value is current:  # updated in place already
+            return
         if (
             value is None
             or torch.is_grad_enabled()
@@ -122,8 +124,11 @@ class LinearAttentionState(TensorState):
         (B, N)."""
         B, N = positions.shape[:2]
         if mask is None:  # every token is real (the common case while decoding: a handful of ops per layer)
-            seen = self.num_tokens if self.num_tokens is not None else positions.new_zeros(B)
-            self.store("num_tokens", seen + N)
+            seen = self.num_tokens
+            if seen is not None and seen.shape == (B,) and not seen.requires_grad and not torch.is_grad_enabled():
+                seen.add_(N)  # in place, as ``store`` would write it
+            else:
+                self.store("num_tokens", (seen if seen is not None else positions.new_zeros(B)) + N)
             self.store("last_position", positions[:, -1, 0])
             self.store("document", documents[:, -1])
             return

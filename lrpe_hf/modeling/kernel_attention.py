@@ -37,6 +37,12 @@ def nonzero(denominator: torch.Tensor) -> torch.Tensor:
     return denominator.masked_fill(denominator.abs() < torch.finfo(denominator.dtype).tiny, float("inf"))
 
 
+def updates_in_place(state) -> bool:
+    """Whether a decoding step may update ``state``'s stored tensors in place (``store`` overwrites them with the
+    new values anyway): eagerly and without autograd, as while generating."""
+    return state is not None and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
+
+
 class DivideByDenominator(torch.autograd.Function):
     """``divide_rows`` for autograd, saving the result and the reciprocal only."""
 
@@ -46,7 +52,7 @@ class DivideByDenominator(torch.autograd.Function):
         differentiates the plain division itself)."""
         if wants_gradient(numerator, denominator, eps) and not torch.compiler.is_compiling():
             return DivideByDenominator.apply(numerator, denominator, eps, guard)
-        return divide_rows(numerator, denominator, eps, guard)[0]
+        return divide_rows(numerator, denominator, eps, guard, with_reciprocal=False)[0]
 
     @staticmethod
     def forward(ctx, numerator, denominator, eps, guard=None):
@@ -131,12 +137,14 @@ class KernelAttention(nn.Module):
         # without a stabiliser or a gradient, the causal product divides by the denominator as it goes
         divided = self.causal and with_denominator and features.log_scale is None
         divided = divided and not wants_gradient(tq, tk, v, gates)
+        in_place = updates_in_place(state)
         if self.causal:
             previous = state.kv if state else None
             divide_eps = self.eps if divided else None
             out, denominator, kv = causal_linear_attention(
-                tq, tk, v, gates, previous, self.chunk_size, starts, with_denominator, divide_eps, self.kernel_backend
-            )
+                tq, tk, v, gates, previous, self.chunk_size, starts, with_denominator, divide_eps, self.kernel_backend,
+                in_place,
+            )  # fmt: skip
         else:
             out, denominator = bidirectional_linear_attention(tq, tk, v, local_documents, with_denominator)
             kv = None
@@ -148,7 +156,7 @@ class KernelAttention(nn.Module):
         if self.normalization == "output_layer_norm":
             return self.layer_norm_over_heads(out, features.log_scale)
         if self.normalization == "unrotated_denominator":
-            denominator = self.unrotated_denominator(features.query, features.key, gates, state, starts)
+            denominator = self.unrotated_denominator(features.query, features.key, gates, state, starts, in_place)
         if features.log_scale is None:
             if denominator is not None:
                 return DivideByDenominator.divide(out, denominator, self.eps)
@@ -197,14 +205,14 @@ class KernelAttention(nn.Module):
         dtype = torch.promote_types(dtype, torch.float32)
         return log_decay.to(dtype)[None, :, None] * steps[:, None, :].to(dtype)
 
-    def unrotated_denominator(self, fq, fk, gates, state, starts=None):
+    def unrotated_denominator(self, fq, fk, gates, state, starts=None, in_place=False):
         """<phi(q_s), sum_t w(s, t) phi(k_t)> without the positional transform (RoFormer eq. 19): (B, H, N, 1)."""
         if not self.causal:
             documents = None if starts is None else starts.long().cumsum(-1)
             return bidirectional_linear_attention(fq, fk, torch.ones_like(fk[..., :1]), documents)[0]
         previous = state.key_sum if state is not None else None
         if gates is None and starts is None:
-            denominator, key_sum = causal_key_sums(fq, fk, previous, self.chunk_size)
+            denominator, key_sum = causal_key_sums(fq, fk, previous, self.chunk_size, in_place)
         else:
             ones = torch.ones_like(fk[..., :1])
             denominator, _, key_sum = causal_linear_attention(

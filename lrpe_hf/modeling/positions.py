@@ -166,6 +166,11 @@ def position_steps(positions, mask, state=None):
     p = positions[..., 0]
     if mask is None and (state is None or state.num_tokens is None):  # every token real, no earlier call
         return (p - torch.cat([p[:, :1], p[:, :-1]], dim=-1)).clamp_min(0)
+    if mask is None:  # every token real, after an earlier call (decoding): each follows the one before it
+        last = state.last_position[:, None]
+        previous = last if p.shape[1] == 1 else torch.cat([last, p[:, :-1]], dim=-1)
+        steps = (p - previous).clamp_min_(0)
+        steps[:, :1].masked_fill_(state.num_tokens[:, None] == 0, 0)  # no real token yet: nothing to step from
+        return steps
     previous, has_previous = previous_real_positions(positions, mask, state)
-    counted = has_previous if mask is None else has_previous & mask
-    return (p - previous).clamp_min(0).masked_fill(~counted, 0)
+    return (p - previous).clamp_min(0).masked_fill(~(has_previous & mask), 0)

@@ -380,11 +380,14 @@ class CausalKeySums(torch.autograd.Function):
         return grad_q, grad_k, grad_initial, None, None
 
 
-def causal_key_sums(q, k, initial=None, chunk_size: int | None = None):
+def causal_key_sums(q, k, initial=None, chunk_size: int | None = None, update_in_place: bool = False):
     """q_s . (z_0 + sum_{t<=s} k_t), the denominator of ungated causal attention without a positional transform,
     and the final key sum: q, k (B, H, N, m); initial (B, H, m, 1) or None. Returns (B, H, N, 1) and
-    (B, H, m, 1)."""
+    (B, H, m, 1). ``update_in_place`` (no gradient wanted): one decoding step adds its key to ``initial`` itself."""
     N = q.shape[2]
+    if N == 1 and update_in_place and initial is not None and initial.dtype == k.dtype:
+        final = initial.add_(k.transpose(-1, -2))
+        return q @ final, final
     if N == 1:  # one decoding step, in its recurrent form
         final = k.transpose(-1, -2) if initial is None else initial + k.transpose(-1, -2)
         return q @ final, final

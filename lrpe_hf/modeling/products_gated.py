@@ -15,10 +15,21 @@ from torch.nn import functional as F
 from .products_shared import head_blocks
 
 
-def recurrent_step(q, k, v, log_gates, initial_state, resets):
+def recurrent_step(q, k, v, log_gates, initial_state, resets, in_place=False):
     """One decoding step, in its recurrent form: S = exp(g) S_0 + k^T v (no S_0 after a reset), out = q S.
-    q, k (B, H, 1, m); v (B, H, 1, dv); log_gates (B, H, 1) or None; initial_state (B, H, m, dv) or None."""
-    state = k.transpose(-1, -2) @ v
+    q, k (B, H, 1, m); v (B, H, 1, dv); log_gates (B, H, 1) or None; initial_state (B, H, m, dv) or None.
+    ``in_place``: S is written over S_0 (the caller's stored state, which it would overwrite with S anyway), where
+    dtypes agree: one fused multiply-add (baddbmm) instead of a product, a sum and the caller's copy."""
+    kT = k.transpose(-1, -2)
+    dtype = torch.promote_types(k.dtype, v.dtype)
+    if in_place and initial_state is not None and initial_state.dtype == dtype and initial_state.is_contiguous():
+        state = initial_state
+        if log_gates is not None:
+            keep = log_gates.exp() if resets is None else log_gates.exp().masked_fill(resets[:, None], 0.0)
+            state.mul_(keep[..., None].to(dtype))
+        state.flatten(0, 1).baddbmm_(kT.flatten(0, 1), v.flatten(0, 1))
+        return q @ state, state
+    state = kT @ v
     if initial_state is not None:
         previous = initial_state.to(state.dtype)
         if log_gates is not None:

@@ -77,21 +77,27 @@ def chunks_of(x, rows, heads, chunk_size: int, dtype, scratch: Scratch, purpose:
     return chunks.view(-1, chunk_size, block.shape[-1])
 
 
-def divide_rows(numerator: torch.Tensor, denominator: torch.Tensor, eps, guard=None):
+def divide_rows(numerator: torch.Tensor, denominator: torch.Tensor, eps, guard=None, with_reciprocal=True):
     """numerator (B, H, N, d) / guard(denominator (B, H, N, 1) + eps), written in the memory order (B, N, H, d)
     that the output projection reads: the heads are merged by a view, not by one more copy. ``eps`` is a number
     or a tensor broadcastable to (B, H, N, 1); ``guard`` maps the denominator before its reciprocal is taken
-    (``nonzero``), or is None. Returns the result and the reciprocal (B, H, N, 1). Compiled: plain differentiable
+    (``nonzero``), or is None. Returns the result and the reciprocal (B, H, N, 1), or None without
+    ``with_reciprocal`` (no gradient to come: the rows are divided, one op fewer). Compiled: plain differentiable
     ops, which the compiler fuses. In float16 the denominator and its reciprocal are float32 (and so is the
     product, cast to float16 as it is written): the reciprocal of a padded row's 0 + eps (1e6 for eps 1e-6)
     overflows float16 (largest 65504), and 0 x inf is NaN in its gradients."""
     if denominator.dtype == torch.float16:
         denominator = denominator.float()
     denominator = denominator + eps
-    reciprocal = (guard(denominator) if guard else denominator).reciprocal()
-    if torch.compiler.is_compiling():  # the compiler chooses the layout (and takes no out= views)
-        return (numerator * reciprocal).to(numerator.dtype), reciprocal
+    if guard:
+        denominator = guard(denominator)
     B, H, N, d = numerator.shape
+    compiling = torch.compiler.is_compiling()
+    if not with_reciprocal and not compiling:
+        return torch.div(numerator, denominator, out=numerator.new_empty(B, N, H, d).transpose(1, 2)), None
+    reciprocal = denominator.reciprocal()
+    if compiling:  # the compiler chooses the layout (and takes no out= views)
+        return (numerator * reciprocal).to(numerator.dtype), reciprocal
     return torch.mul(numerator, reciprocal, out=numerator.new_empty(B, N, H, d).transpose(1, 2)), reciprocal
 
 
