@@ -97,11 +97,14 @@ def unit_angles(positions: torch.Tensor, frequencies: torch.Tensor, axis: torch.
     so that large positions stay exact, and returned in ``dtype`` (at least float32). (The fractional part of the
     turns took a quarter of the time of ``torch.remainder`` by 2 pi on a CPU.)
     """
-    coordinates = distinct_rows(positions).to(torch.float64)  # (B', N, A)
+    coordinates = distinct_rows(positions)  # (B', N, A) integers: the product with float64 converts them exactly
     if coordinates.shape[-1] > 1:
         coordinates = coordinates[..., axis]  # (B', N, U); in 1D the one axis broadcasts over the units
-    turns = coordinates[:, None] * (frequencies[:, None].to(torch.float64) / (2 * math.pi))
-    return turns.frac_().mul_(2 * math.pi).to(torch.promote_types(dtype, torch.float32))
+    turns = (coordinates[:, None] * (frequencies[:, None].to(torch.float64) / (2 * math.pi))).frac_()
+    dtype = torch.promote_types(dtype, torch.float32)
+    if torch.compiler.is_compiling() or turns.requires_grad:  # (out= takes no gradient)
+        return turns.mul_(2 * math.pi).to(dtype)
+    return torch.mul(turns, 2 * math.pi, out=turns.new_empty(turns.shape, dtype=dtype))  # rounded once, as .to()
 
 
 def angle_blocks(positions, frequencies, axis, dtype, shape, block_elements):

@@ -185,7 +185,7 @@ class FastRelativePositionBias(PositionalEncoding):
 
     def dense(self, values, key_positions, query_positions, causal, key_documents=None, query_documents=None):
         """The same product with an explicit (N x T) weight matrix; cheaper for short inputs and single steps."""
-        out = 0
+        out = None
         other_document = None
         if key_documents is not None:
             other_document = query_documents[:, :, None] != key_documents[:, None, :]  # (B, N, T)
@@ -199,5 +199,6 @@ class FastRelativePositionBias(PositionalEncoding):
                 weights = weights.masked_fill((lags < 0)[:, None], 0.0)
             if other_document is not None:
                 weights = weights.masked_fill(other_document[:, None], 0.0)
-            out = out + weights.to(values.dtype) @ values
+            term = weights.to(values.dtype) @ values
+            out = term if out is None else out + term
         return out

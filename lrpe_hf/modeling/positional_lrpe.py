@@ -42,10 +42,20 @@ class HouseholderReflection(Reinitialisable):
         return {"vector": vector / vector.norm(dim=-1, keepdim=True)}
 
     def forward(self, x):  # (B, H, N, m)
-        v = F.normalize(self.vector, dim=-1, eps=1e-6).to(x.dtype)[:, None, :]  # (H, 1, m)
-        if wants_gradient(x) and not wants_gradient(v):
-            return FixedReflection.apply(x, v)
-        return reflect(x, v)
+        return self.pair(x)[0]
+
+    def pair(self, *xs):
+        """Each of xs (B, H, N, m) reflected, the unit vectors normalised once for all."""
+        v = F.normalize(self.vector, dim=-1, eps=1e-6).to(xs[0].dtype)[:, None, :]  # (H, 1, m)
+        fixed = not wants_gradient(v)
+        return tuple(FixedReflection.apply(x, v) if fixed and wants_gradient(x) else reflect(x, v) for x in xs)
+
+
+def apply_p(p, q, k):
+    """P applied to q and k: in one call where P has one for both (``pair``), so that what it derives from its
+    parameters is made once."""
+    pair = getattr(p, "pair", None)
+    return pair(q, k) if pair is not None else (p(q), p(k))
 
 
 def reflect(x, v):
@@ -126,7 +136,7 @@ class LRPEUnitary(PositionalEncoding):
         return cls(num_heads, feature_dim, p, o.position_dims, o.lrpe_learnable_angles, o.rope_base)
 
     def encode_features(self, q, k, positions):
-        q, k = self.p(q), self.p(k)
+        q, k = apply_p(self.p, q, k)
         if wants_gradient(q, k, self.angles) and not torch.compiler.is_compiling():  # compiled: plain, fused ops
             return UnitaryLift.apply(q, k, positions, self.angles, self.axis)
         return lift(q, k, unit_angles(positions, self.angles, self.axis, q.dtype))
@@ -203,7 +213,7 @@ class LRPEOrthogonal(PositionalEncoding):
         return cls(num_heads, feature_dim, p, o.position_dims, o.lrpe_learnable_angles, o.rope_base)
 
     def encode_features(self, q, k, positions):
-        return self.rotation.encode_features(self.p(q), self.p(k), positions)
+        return self.rotation.encode_features(*apply_p(self.p, q, k), positions)
 
 
 class LRPEPermutation(PositionalEncoding):
@@ -219,4 +229,4 @@ class LRPEPermutation(PositionalEncoding):
         return cls(num_heads, feature_dim, p, options.position_dims, options.permute_seed * 1000 + options.layer_index)
 
     def encode_features(self, q, k, positions):
-        return self.permutation.encode_features(self.p(q), self.p(k), positions)
+        return self.permutation.encode_features(*apply_p(self.p, q, k), positions)

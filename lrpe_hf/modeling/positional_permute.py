@@ -171,9 +171,15 @@ class PermutePositionalEncoding(PositionalEncoding):
                 return self.decays.log()
             torch._assert_async((self.decays == 1.0).all(), "PermuteFormer decays only in causal attention")
             return None
-        if bool((self.decays == 1.0).all()):
-            return None
-        return self.decays.log()
+        decays = self.decays
+        if decays.requires_grad:
+            return None if bool((decays == 1.0).all()) else decays.log()
+        # fixed decays: looked at (a host read) and their log taken once, again only after they change
+        seen = getattr(self, "_log_decay_of", None)
+        if seen is None or seen[0] is not decays or seen[1] != decays._version:
+            self._log_decay = None if bool((decays == 1.0).all()) else decays.log()
+            self._log_decay_of = decays, decays._version
+        return self._log_decay
 
     def encode_features(self, q, k, positions):
         if len(self.permutations) == 1:

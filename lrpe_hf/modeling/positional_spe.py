@@ -71,14 +71,15 @@ class SPEDraw:
 
     def tables(self) -> list[torch.Tensor]:
         """The position tables built so far, in a fixed order."""
-        return [value for name in sorted(self._tables) for _, value in self._tables[name]]
+        return [value for name in sorted(self._tables) for _, _, value in self._tables[name]]
 
     def with_tables(self, tables) -> "SPEDraw":
         """A view of this draw whose position tables are ``tables`` (as ``tables()`` lists them)."""
         view = copy.copy(self)
         remaining = iter(tables)
         view._tables = {
-            name: [(rows, next(remaining)) for rows, _ in self._tables[name]] for name in sorted(self._tables)
+            name: [(rows, version, next(remaining)) for rows, version, _ in self._tables[name]]
+            for name in sorted(self._tables)
         }
         return view
 
@@ -108,11 +109,14 @@ class SPEDraw:
         rows = distinct_rows(positions)
         if torch.compiler.is_compiling():
             return build(rows)
-        for cached_rows, value in self._tables.get(name, []):
+        for cached_rows, version, value in self._tables.get(name, []):
+            if cached_rows is rows and version == rows._version:  # the layers' shared positions: no host read
+                return value
+        for cached_rows, _, value in self._tables.get(name, []):
             if cached_rows.shape == rows.shape and torch.equal(cached_rows, rows):
                 return value
         value = build(rows)
-        self._tables.setdefault(name, []).append((rows, value))
+        self._tables.setdefault(name, []).append((rows, rows._version, value))
         return value
 
     def grid(self, start: tuple, stop: tuple, channels: tuple) -> torch.Tensor:
