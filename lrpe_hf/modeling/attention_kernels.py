@@ -126,11 +126,11 @@ def causal_linear_attention(
         q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
         log_gates = F.pad(log_gates, (0, pad))
         resets = F.pad(resets, (0, pad)) if resets is not None else None
-    if with_denominator:  # a ones column: these paths' products are per chunk or per token, not the bulk
-        v = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
-    if N == 1:
-        out, final = recurrent_step(q, k, v, log_gates, initial_state, resets, update_in_place)
+    if N == 1:  # the step appends the ones column itself (or adds the key to its state's)
+        out, final = recurrent_step(q, k, v, log_gates, initial_state, resets, update_in_place, with_denominator)
     else:
+        if with_denominator:  # a ones column: these paths' products are per chunk, not the bulk
+            v = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
         out, final = gated_chunks(q, k, v, log_gates, initial_state, C, resets, dtype)
         out = out[:, :, :N]
     if with_denominator:  # one split: its backward joins the two gradients, where slices would each fill a zero one

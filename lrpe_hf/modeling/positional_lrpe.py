@@ -22,7 +22,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 from torch.nn import functional as F
 
-from .gradients import wants_gradient
+from .gradients import version_of, wants_gradient
 from .positional_encoding import PositionalEncoding, angle_blocks, axis_of_each, frequency_gradient, unit_angles
 from .positional_permute import PermutePositionalEncoding
 from .positional_rope import RotaryPositionalEncoding, rotary_frequencies
@@ -44,9 +44,20 @@ class HouseholderReflection(Reinitialisable):
     def forward(self, x):  # (B, H, N, m)
         return self.pair(x)[0]
 
+    def unit_vectors(self):
+        """The vectors normalised (H, m): for a fixed vector, once, again only after it changes."""
+        vector = self.vector
+        if wants_gradient(vector) or torch.compiler.is_compiling():
+            return F.normalize(vector, dim=-1, eps=1e-6)
+        seen, version = getattr(self, "_unit_of", None), version_of(vector)
+        if seen is None or seen[0] is not vector or version is None or seen[1] != version:
+            self._unit = F.normalize(vector, dim=-1, eps=1e-6)
+            self._unit_of = vector, version
+        return self._unit
+
     def pair(self, *xs):
         """Each of xs (B, H, N, m) reflected, the unit vectors normalised once for all."""
-        v = F.normalize(self.vector, dim=-1, eps=1e-6).to(xs[0].dtype)[:, None, :]  # (H, 1, m)
+        v = self.unit_vectors().to(xs[0].dtype)[:, None, :]  # (H, 1, m)
         fixed = not wants_gradient(v)
         return tuple(FixedReflection.apply(x, v) if fixed and wants_gradient(x) else reflect(x, v) for x in xs)
 

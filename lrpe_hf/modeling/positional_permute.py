@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from .gradients import wants_gradient
+from .gradients import version_of, wants_gradient
 from .positional_encoding import PositionalEncoding, distinct_rows, token_blocks
 from .reinitialisable import Reinitialisable, seeded_generator
 
@@ -175,10 +175,10 @@ class PermutePositionalEncoding(PositionalEncoding):
         if decays.requires_grad:
             return None if bool((decays == 1.0).all()) else decays.log()
         # fixed decays: looked at (a host read) and their log taken once, again only after they change
-        seen = getattr(self, "_log_decay_of", None)
-        if seen is None or seen[0] is not decays or seen[1] != decays._version:
+        seen, version = getattr(self, "_log_decay_of", None), version_of(decays)
+        if seen is None or seen[0] is not decays or version is None or seen[1] != version:
             self._log_decay = None if bool((decays == 1.0).all()) else decays.log()
-            self._log_decay_of = decays, decays._version
+            self._log_decay_of = decays, version
         return self._log_decay
 
     def encode_features(self, q, k, positions):

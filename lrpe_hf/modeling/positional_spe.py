@@ -34,7 +34,7 @@ import zlib
 import torch
 from torch.autograd.function import once_differentiable
 
-from .gradients import wants_gradient
+from .gradients import version_of, wants_gradient
 from .positional_encoding import PositionalEncoding, distinct_rows, token_blocks
 from .reinitialisable import Reinitialisable
 
@@ -109,14 +109,15 @@ class SPEDraw:
         rows = distinct_rows(positions)
         if torch.compiler.is_compiling():
             return build(rows)
-        for cached_rows, version, value in self._tables.get(name, []):
-            if cached_rows is rows and version == rows._version:  # the layers' shared positions: no host read
+        version = version_of(rows)
+        for cached_rows, cached_version, value in self._tables.get(name, []):
+            if cached_rows is rows and version is not None and cached_version == version:  # no host read
                 return value
         for cached_rows, _, value in self._tables.get(name, []):
             if cached_rows.shape == rows.shape and torch.equal(cached_rows, rows):
                 return value
         value = build(rows)
-        self._tables.setdefault(name, []).append((rows, rows._version, value))
+        self._tables.setdefault(name, []).append((rows, version, value))
         return value
 
     def grid(self, start: tuple, stop: tuple, channels: tuple) -> torch.Tensor:

@@ -15,11 +15,13 @@ from torch.nn import functional as F
 from .products_shared import head_blocks
 
 
-def recurrent_step(q, k, v, log_gates, initial_state, resets, in_place=False):
+def recurrent_step(q, k, v, log_gates, initial_state, resets, in_place=False, ones_column=False):
     """One decoding step, in its recurrent form: S = exp(g) S_0 + k^T v (no S_0 after a reset), out = q S.
     q, k (B, H, 1, m); v (B, H, 1, dv); log_gates (B, H, 1) or None; initial_state (B, H, m, dv) or None.
+    ``ones_column``: v stands for [v, 1] (the denominator's column; initial_state is then (B, H, m, dv + 1)).
     ``in_place``: S is written over S_0 (the caller's stored state, which it would overwrite with S anyway), where
-    dtypes agree: one fused multiply-add (baddbmm) instead of a product, a sum and the caller's copy."""
+    dtypes agree: one fused multiply-add (baddbmm) instead of a product, a sum and the caller's copy (and the
+    ones column's part is the key added, not a column appended to v)."""
     kT = k.transpose(-1, -2)
     dtype = torch.promote_types(k.dtype, v.dtype)
     if in_place and initial_state is not None and initial_state.dtype == dtype and initial_state.is_contiguous():
@@ -27,8 +29,15 @@ def recurrent_step(q, k, v, log_gates, initial_state, resets, in_place=False):
         if log_gates is not None:
             keep = log_gates.exp() if resets is None else log_gates.exp().masked_fill(resets[:, None], 0.0)
             state.mul_(keep[..., None].to(dtype))
-        state.flatten(0, 1).baddbmm_(kT.flatten(0, 1), v.flatten(0, 1))
+        rows = state.flatten(0, 1)
+        if ones_column:
+            rows[..., :-1].baddbmm_(kT.flatten(0, 1), v.flatten(0, 1))
+            rows[..., -1:].add_(kT.flatten(0, 1))
+        else:
+            rows.baddbmm_(kT.flatten(0, 1), v.flatten(0, 1))
         return q @ state, state
+    if ones_column:
+        v = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
     state = kT @ v
     if initial_state is not None:
         previous = initial_state.to(state.dtype)
