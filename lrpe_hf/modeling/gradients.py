@@ -2,6 +2,7 @@
 the plain computation runs, without a Function's bookkeeping or its saved tensors."""
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 
 def wants_gradient(*inputs) -> bool:
@@ -9,7 +10,11 @@ def wants_gradient(*inputs) -> bool:
     return torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in inputs)
 
 
-def version_of(tensor: torch.Tensor) -> int | None:
-    """The tensor's version counter (bumped by every in-place write), or None for an inference tensor, which has
-    none: a value cached from it is then never reused."""
-    return None if tensor.is_inference() else tensor._version
+def version_of(tensor: torch.Tensor):
+    """What a value cached from ``tensor`` is valid for: its version counter (bumped by every in-place write), dtype,
+    device and memory (``module.to()`` and ``.data =`` swap a parameter's data, keeping the object and its version).
+    None where there is no such thing (an inference tensor has no version counter, a fake one no memory): a value
+    cached from it is then never reused."""
+    if tensor.is_inference() or isinstance(tensor, FakeTensor):
+        return None
+    return tensor._version, tensor.dtype, tensor.device, tensor.data_ptr()

@@ -26,6 +26,7 @@ import math
 
 import torch
 
+from .gradients import version_of
 from .reinitialisable import Reinitialisable
 
 
@@ -89,18 +90,41 @@ def distinct_rows(positions: torch.Tensor) -> torch.Tensor:
     return positions[:1] if bool((positions == positions[:1]).all()) else positions
 
 
-def unit_angles(positions: torch.Tensor, frequencies: torch.Tensor, axis: torch.Tensor, dtype) -> torch.Tensor:
+def turn_rates(frequencies: torch.Tensor) -> torch.Tensor:
+    """Frequencies (H, U) in turns per unit of position, float64 (H, 1, U): what ``unit_angles`` multiplies the
+    positions by."""
+    return frequencies[:, None].to(torch.float64) / (2 * math.pi)
+
+
+class TurnRates:
+    """``turn_rates`` of a module's frequencies where no gradient is wanted (decoding, evaluation), computed once
+    and again only after the frequencies change (their tensor or its version); None where one is wanted."""
+
+    def __init__(self):
+        self.seen = None
+
+    def __call__(self, frequencies: torch.Tensor) -> torch.Tensor | None:
+        if torch.is_grad_enabled() and frequencies.requires_grad or torch.compiler.is_compiling():
+            return None
+        version = version_of(frequencies)
+        if self.seen is None or self.seen[0] is not frequencies or version is None or self.seen[1] != version:
+            self.seen = frequencies, version, turn_rates(frequencies)
+        return self.seen[2]
+
+
+def unit_angles(positions: torch.Tensor, frequencies: torch.Tensor, axis: torch.Tensor, dtype, rates=None):
     """position * frequency for every (head, unit), reduced to less than one turn: (B', H, N, U), B' from
     distinct_rows; negative where position * frequency is.
 
-    positions (B, N, A) int, frequencies (H, U), axis (U,). The angle is formed in turns and reduced in float64,
-    so that large positions stay exact, and returned in ``dtype`` (at least float32). (The fractional part of the
-    turns took a quarter of the time of ``torch.remainder`` by 2 pi on a CPU.)
+    positions (B, N, A) int, frequencies (H, U), axis (U,); ``rates``: ``turn_rates(frequencies)`` where the caller
+    keeps them. The angle is formed in turns and reduced in float64, so that large positions stay exact, and
+    returned in ``dtype`` (at least float32). (The fractional part of the turns took a quarter of the time of
+    ``torch.remainder`` by 2 pi on a CPU.)
     """
     coordinates = distinct_rows(positions)  # (B', N, A) integers: the product with float64 converts them exactly
     if coordinates.shape[-1] > 1:
         coordinates = coordinates[..., axis]  # (B', N, U); in 1D the one axis broadcasts over the units
-    turns = (coordinates[:, None] * (frequencies[:, None].to(torch.float64) / (2 * math.pi))).frac_()
+    turns = (coordinates[:, None] * (turn_rates(frequencies) if rates is None else rates)).frac_()
     dtype = torch.promote_types(dtype, torch.float32)
     if torch.compiler.is_compiling() or turns.requires_grad:  # (out= takes no gradient)
         return turns.mul_(2 * math.pi).to(dtype)

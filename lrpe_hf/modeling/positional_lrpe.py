@@ -23,7 +23,14 @@ from torch.autograd.function import once_differentiable
 from torch.nn import functional as F
 
 from .gradients import version_of, wants_gradient
-from .positional_encoding import PositionalEncoding, angle_blocks, axis_of_each, frequency_gradient, unit_angles
+from .positional_encoding import (
+    PositionalEncoding,
+    TurnRates,
+    angle_blocks,
+    axis_of_each,
+    frequency_gradient,
+    unit_angles,
+)
 from .positional_permute import PermutePositionalEncoding
 from .positional_rope import RotaryPositionalEncoding, rotary_frequencies
 from .reinitialisable import Reinitialisable
@@ -135,6 +142,7 @@ class LRPEUnitary(PositionalEncoding):
         self.p = p
         self.num_heads, self.feature_dim, self.position_dims, self.base = num_heads, feature_dim, position_dims, base
         self.register_initial_values(trainable={"angles": learnable_angles})
+        self.turn_rates = TurnRates()
 
     def initial_values(self):
         # One angle per feature dimension: alpha_i = base^(-2i/m) over each axis's share of the dimensions.
@@ -150,7 +158,7 @@ class LRPEUnitary(PositionalEncoding):
         q, k = apply_p(self.p, q, k)
         if wants_gradient(q, k, self.angles) and not torch.compiler.is_compiling():  # compiled: plain, fused ops
             return UnitaryLift.apply(q, k, positions, self.angles, self.axis)
-        return lift(q, k, unit_angles(positions, self.angles, self.axis, q.dtype))
+        return lift(q, k, unit_angles(positions, self.angles, self.axis, q.dtype, self.turn_rates(self.angles)))
 
 
 def lift(q, k, angles):
