@@ -45,11 +45,11 @@ math path, a GPU's flash kernel takes it inside).
 
    The counts are of the CPU's eager path. A GPU runs the same Python except where the code tests the device:
    the causal product (fla's Triton kernels where fla-core is installed) and a few CPU-only branches (1 + elu
-   takes 4 ops per tensor on a CPU, 2 elsewhere). ``+fla`` rows (``--fla``, the default where fla-core is
-   installed) take the product's GPU path on the CPU: ``products_triton``'s mapping runs as on a GPU, and fla's
-   kernels are stood in by fla's own torch references (``naive.py``), under ``torch.compiler.disable`` as fla's
-   entry points are, each call counted as fla's launches (``FLA_LAUNCHES``: 2 forward, 4 backward; 1 per
-   decoding step).
+   takes 4 ops per tensor of 4,096 elements or more on a CPU, as in the train step, 2 elsewhere). ``+fla`` rows
+   (``--fla``, the default where fla-core is installed) take the product's GPU path on the CPU: ``products_triton``'s
+   mapping runs as on a GPU, and fla's kernels are stood in by fla's own torch references (``naive.py``), under
+   ``torch.compiler.disable`` as fla's entry points are, each call counted as fla's launches (``FLA_LAUNCHES``: 2
+   forward, 4 backward; 1 per decoding step).
 
    **Compiled**: the same steps under ``torch.compile`` with a backend that only counts the graphs it is handed
    and runs them as they are (no code generation: seconds, not minutes): for decoding, whether the step compiles
