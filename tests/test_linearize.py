@@ -145,6 +145,72 @@ def test_relative_linear_student_keeps_the_weights_and_runs_past_the_table():
     assert torch.isfinite(logits).all()
 
 
+@pytest.mark.parametrize("model_class", [BertForSequenceClassification, RobertaForMaskedLM])
+@pytest.mark.parametrize("encoding", ["rope", "lrpe_orthogonal", "permute"])
+def test_a_converted_encoder_without_the_table_reads_8x_past_it(model_class, encoding):
+    """Dropping the table: the relative encoding alone orders the tokens, at 8x the teacher's positions. Swapping two
+    tokens moves a far token's output, where without an encoding (the order-blind reference) it moves by rounding
+    only: the positions are not lost."""
+    torch.manual_seed(0)
+    teacher = bert(model_class) if model_class.__name__.startswith("Bert") else roberta(model_class)
+    with torch.no_grad():  # attention as peaked as a pretrained model's: at the init's scale every query is flat
+        for name, weight in teacher.named_parameters():
+            if name.endswith(("query.weight", "key.weight")):
+                weight.mul_(30)
+    ids = torch.randint(3, 60, (1, 8 * teacher.config.max_position_embeddings))
+    swapped = ids.clone()
+    swapped[0, [10, 11]] = ids[0, [11, 10]]
+
+    def change_at_token_100(positional_encoding):
+        student = lrpe_hf.linearize(
+            teacher, feature_map="hedgehog", positional_encoding=positional_encoding, absolute_position_embedding="none"
+        ).eval()
+        with torch.no_grad():
+            out, out_swapped = (
+                student(input_ids=x, output_hidden_states=True).hidden_states[-1] for x in (ids, swapped)
+            )
+        assert torch.isfinite(out).all()
+        return (out[0, 100] - out_swapped[0, 100]).abs().max().item()
+
+    assert change_at_token_100("none") < 1e-6
+    assert change_at_token_100(encoding) > 1e-5
+
+
+def test_the_learned_table_is_extended_only_when_asked_and_never_wrapped():
+    """``table_extension``: ``copy`` repeats the teacher's T rows (row p = row p mod T), ``interpolate`` samples them
+    linearly at p (T - 1) / (rows - 1); the extended model runs at 8x, and past its own table it refuses."""
+    torch.manual_seed(0)
+    teacher = bert(BertForMaskedLM)
+    T = teacher.config.max_position_embeddings
+    table = teacher.bert.embeddings.position_embeddings.weight + teacher.bert.embeddings.token_type_embeddings.weight[0]
+    with pytest.raises(
+        ValueError, match="table_extension .'copy' or 'interpolate'.*absolute_position_embedding='none'"
+    ):
+        lrpe_hf.linearize(teacher, max_position_embeddings=8 * T)
+    with pytest.raises(ValueError, match="Unknown table_extension 'wrap'"):
+        lrpe_hf.linearize(teacher, max_position_embeddings=8 * T, table_extension="wrap")
+    with pytest.raises(ValueError, match="a shorter table is not made"):
+        lrpe_hf.linearize(teacher, max_position_embeddings=T // 2, table_extension="copy")
+
+    copied = lrpe_hf.linearize(teacher, max_position_embeddings=8 * T, table_extension="copy").eval()
+    grown = copied.model.position_embedding.tables[0].weight
+    assert grown.shape == (8 * T, table.shape[1])
+    for p in (0, T - 1, T, 3 * T + 5, 8 * T - 1):
+        torch.testing.assert_close(grown[p], table[p % T])
+
+    stretched = lrpe_hf.linearize(teacher, max_position_embeddings=8 * T, table_extension="interpolate")
+    grown = stretched.model.position_embedding.tables[0].weight
+    for p in (0, 1, 100, 8 * T - 1):
+        x = p * (T - 1) / (8 * T - 1)
+        below = min(int(x), T - 2)
+        torch.testing.assert_close(grown[p], table[below] + (x - below) * (table[below + 1] - table[below]))
+
+    with torch.no_grad():
+        assert torch.isfinite(copied(input_ids=torch.randint(3, 60, (1, 8 * T))).logits).all()
+    with pytest.raises(ValueError, match=f"cover positions 0..{8 * T - 1}"):
+        copied(input_ids=torch.randint(3, 60, (1, 8 * T + 1)))
+
+
 def test_without_absolute_positions_the_segment_vector_moves_into_the_token_embeddings():
     torch.manual_seed(0)
     original = roberta(RobertaForMaskedLM)

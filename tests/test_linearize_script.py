@@ -111,7 +111,7 @@ def test_gpt2_three_stages(workspace, gpt2_teacher):
 def test_roberta_to_sentence_classification_with_lora(workspace):
     """A masked-LM teacher fine-tuned for classification: the classifier is new, the encoder is converted, stage 3
     trains LoRA adapters and writes the merged model; attention_ce is the Hedgehog loss (permute keeps
-    non-negative weights)."""
+    non-negative weights); the teacher's 66-row table is stretched to 130 rows."""
     tokenizer = AutoTokenizer.from_pretrained(workspace / "tokenizer")
     torch.manual_seed(0)
     config = RobertaConfig(
@@ -156,6 +156,10 @@ def test_roberta_to_sentence_classification_with_lora(workspace):
             "2",
             "--lora_r",
             "2",
+            "--max_position_embeddings",
+            "130",
+            "--table_extension",
+            "interpolate",
             "--output_dir",
             str(out),
             *QUIET,
@@ -166,6 +170,7 @@ def test_roberta_to_sentence_classification_with_lora(workspace):
     merged = json.loads((out / "finetune" / "merged" / "config.json").read_text())
     assert merged["architectures"] == ["LinearRobertaForSequenceClassification"]
     assert merged["positional_encoding"] == "permute" and merged["feature_map"] == "hedgehog"
+    assert merged["max_position_embeddings"] == 130
 
 
 def test_vit_to_linear_vit_with_a_2d_encoding(workspace):
@@ -203,6 +208,7 @@ def test_vit_to_linear_vit_with_a_2d_encoding(workspace):
         (["--stages", "attention_transfer,distil"], "valid values: attention_transfer, finetune"),
         (["--transfer_loss", "kl"], "valid values: output_mse, attention_ce"),
         (["--task", "speech"], "valid values: clm, mlm, classification, image"),
+        (["--table_extension", "wrap"], "valid values: copy, interpolate"),
     ],
 )
 def test_bad_arguments_are_named(workspace, gpt2_teacher, arguments, message):

@@ -58,6 +58,14 @@ class LinearizeArguments:
     )
     transfer_steps: int = field(default=200, metadata={"help": "attention-transfer optimiser steps"})
     transfer_learning_rate: float = field(default=1e-2, metadata={"help": "attention-transfer learning rate"})
+    table_extension: str | None = field(
+        default=None,
+        metadata={
+            "help": "with a --max_position_embeddings above the teacher's and its learned table kept: copy (repeat "
+            "the teacher's rows) or interpolate (stretch them); or drop the table with "
+            "--absolute_position_embedding none"
+        },
+    )
     stages: str = field(
         default="attention_transfer,finetune",
         metadata={"help": f"the stages to run, comma-separated: {', '.join(STAGES)}"},
@@ -168,7 +176,7 @@ def main(args=None):
 
     output = Path(training_args.output_dir)
     teacher = load_source(model_args.model_name_or_path)
-    student = linearize(teacher, **model_args.config_fields())
+    student = linearize(teacher, linearize_args.table_extension, **model_args.config_fields())
     save_linearized(teacher, student, model_args.model_name_or_path, output / "linearized")
     transformers.set_seed(training_args.seed)
     run_task = TASKS[task][1]
