@@ -86,3 +86,45 @@ def test_linearization_benchmark_runs_every_stage_with_a_local_teacher(workspace
     assert models == sorted([*(m for m, _ in rows), "linearized, 3 output_mse steps"])
     invocations = json.loads((tmp_path / "out/results.json").read_text())["invocations"]
     assert len(invocations) == 2 and "--transfer_steps 3" in invocations[1]["command"]  # both wrote into the CSV
+
+
+def test_long_documents_benchmark_compares_students_with_the_teachers_workarounds(workspace, tmp_path):
+    """A tiny random BERT (64 positions) stands in for all-MiniLM-L6-v2: every teacher method, the students of two
+    encodings (one of them at two seeds, so that it gets an interval), the random-weight model, the short-text
+    check and the costs are reported; the students read documents far past the teacher's table."""
+    tokenizer = AutoTokenizer.from_pretrained(workspace / "tokenizer")
+    config = BertConfig(
+        vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        max_position_embeddings=520, pad_token_id=tokenizer.pad_token_id,
+    )  # fmt: skip
+    BertModel(config).save_pretrained(tmp_path / "teacher")
+    tokenizer.save_pretrained(tmp_path / "teacher")
+    command = [sys.executable, str(BENCHMARKS / "long_documents.py"), "--teacher", str(tmp_path / "teacher")]
+    command += ["--output_dir", str(tmp_path / "out"), "--encodings", "rope,permute", "--seeds", "0,1"]
+    command += ["--seeds_of", "permute=0", "--transfer_steps", "1", "--distill_steps", "1", "--batch_size", "1"]
+    command += ["--documents", "16", "--short_text_rows", "64", "--cost_lengths", "512,1024"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = tmp_path / "out"
+    with open(out / "results.csv") as f:
+        rows = list(csv.DictReader(f))
+    methods = {(r["task"], r["method"], r["seed"]) for r in rows}
+    for task in ("majority_topic", "dominant_topic"):
+        for seed in ("0", "1"):
+            assert (task, "teacher windows, mean+max", seed) in methods and (task, "student rope", seed) in methods
+        assert (task, "student permute", "0") in methods and (task, "student permute", "1") not in methods
+        assert (task, "random rope", "0") in methods
+    assert all(0 <= float(r["accuracy"]) <= 1 for r in rows)
+    with open(out / "comparisons.csv") as f:
+        comparisons = {(r["task"], r["student"], r["against"]): r for r in csv.DictReader(f)}
+    assert len(comparisons) == 2 * 2 * 5
+    assert comparisons["majority_topic", "rope", "teacher first 512"]["seeds"] == "2"
+    assert comparisons["majority_topic", "permute", "teacher first 512"]["verdict"] == "inconclusive"  # one seed
+    with open(out / "costs.csv") as f:
+        costs = {(r["method"], r["length"]): r for r in csv.DictReader(f)}
+    assert set(costs) == {(m, n) for m in ("teacher first 512", "teacher windows", "student") for n in ("512", "1024")}
+    assert all(float(r["ms"]) > 0 for r in costs.values())
+    assert "### majority_topic" in result.stdout and "### Short texts" in result.stdout
+    record = json.loads((out / "record.json").read_text())
+    assert record["written_by"] == "benchmarks/long_documents.py"
+    assert set(record["files"]) == {"results.csv", "comparisons.csv", "short_text.csv", "costs.csv"}
