@@ -231,7 +231,9 @@ def main():
     parser.add_argument("--batch_size", type=int, default=4, help="512-token blocks per distillation step")
     parser.add_argument("--cost_lengths", default="512,1024,2048,4096,8192")
     parser.add_argument("--short_text_rows", type=int, default=3000, help="training tweets of the short-text probe")
-    parser.add_argument("--students_only", action="store_true", help="make the students and their vectors, no report")
+    parser.add_argument(
+        "--students_only", action="store_true", help="make the students and their vectors (kept), no report"
+    )
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = parser.parse_args()
     if args.threads:
@@ -274,8 +276,8 @@ def main():
         )
         random_model = lrpe_hf.LinearRobertaModel(student.config).eval()
         for name, model in ((f"student {encoding}", student), (f"random {encoding}", random_model)):
-            if name.startswith("random") and (encoding, seed) != runs[0]:
-                continue  # one random-weight model is enough to show what pretraining adds
+            if name.startswith("random") and (args.students_only or (encoding, seed) != runs[0]):
+                continue  # one random-weight model, the report's first, is enough to show what pretraining adds
             for (task, split), doc_tokens in tokens.items():
                 vectors[name, task, split, seed] = embedded(
                     out / "vectors" / f"{name.replace(' ', '-')}-seed{seed}-{task}-{split}{subset}.pt",
