@@ -44,8 +44,6 @@ LEGACY = {
     "medium_cpu/lrpe_table2.csv", "medium_cpu/lrpe_table1.csv", "medium_cpu/image.csv",
     "linearization/minilm_tweet_sentiment.csv",
     "benchmarks/encodings/encodings.csv", "benchmarks/attention/results.csv", "benchmarks/models/models.csv",
-    *(f"benchmarks/ops/{name}.csv" for name in ("ops", "top_ops", "compiled", "roofline")),
-    "benchmarks/ops_bf16/ops.csv", "benchmarks/ops_bf16/compiled.csv",
 }  # fmt: skip
 MACHINE_FIELDS = ("command", "commit", "clean", "device", "torch", "transformers", "threads", "date", "seconds")
 
