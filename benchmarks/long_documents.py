@@ -26,8 +26,9 @@ folds shuffled by the seed). Methods:
 
 Accuracy per length bucket and over 1k-4k, the students against every teacher method paired by seed (the project's
 verdict rule: ``lrpe_hf.training.verdicts``), the short-text check (tweet sentiment, the same probe, teacher against
-student) and the time and peak memory of one document per length go to ``--output_dir``: ``results.csv``,
-``comparisons.csv``, ``costs.csv``, ``results.md`` and ``record.json``.
+student) and the time and peak memory of one document per length go to ``--output_dir``: ``results.csv`` (per seed),
+``summary.csv`` (means over seeds), ``comparisons.csv``, ``short_text.csv``, ``costs.csv``, ``results.md`` and
+``record.json``.
 
     python benchmarks/long_documents.py --output_dir out/long_documents --encodings lrpe_orthogonal,rope,permute \
         --seeds 0,1,2
@@ -327,11 +328,13 @@ def main():
     cost_rows = costs(pretrained, student_folder, [int(n) for n in args.cost_lengths.split(",")])
 
     write_csv(out / "results.csv", rows)
+    means = method_means(rows)
+    write_csv(out / "summary.csv", means)
     write_csv(out / "comparisons.csv", comparisons)
     write_csv(out / "short_text.csv", short_text)
     write_csv(out / "costs.csv", cost_rows)
     (out / "losses.json").write_text(json.dumps({f"{e}-seed{s}": v for (e, s), v in losses.items()}, indent=2))
-    report = summary(rows, comparisons, short_text, cost_rows)
+    report = summary(means, comparisons, short_text, cost_rows)
     (out / "results.md").write_text("\n".join(report) + "\n")
     write_provenance(out / "record.json", "cpu")
     print("\n".join(report))
@@ -344,17 +347,24 @@ def write_csv(path: Path, rows: list[dict]):
         writer.writerows(rows)
 
 
-def summary(rows, comparisons, short_text, costs) -> list[str]:
+def method_means(rows: list[dict]) -> list[dict]:
+    """Per task and method: the seeds and the mean validation accuracy (%) over them, 1k-4k and per length."""
+    means = []
+    for task, method in dict.fromkeys((r["task"], r["method"]) for r in rows):
+        chosen = [r for r in rows if r["task"] == task and r["method"] == method]
+        columns = [c for c in chosen[0] if c.startswith("accuracy")]
+        cells = {c: round(100 * statistics.mean(r[c] for r in chosen), 1) for c in columns}
+        means.append(dict(task=task, method=method, seeds=len(chosen), **cells))
+    return means
+
+
+def summary(means, comparisons, short_text, costs) -> list[str]:
     """Markdown: mean accuracy per method, task and length; the paired comparisons; short texts; costs."""
     lines = []
     for task in TASKS:
-        task_rows = [r for r in rows if r["task"] == task]
+        task_rows = [r for r in means if r["task"] == task]
         columns = [c for c in task_rows[0] if c.startswith("accuracy")]
-        body = []
-        for method in dict.fromkeys(r["method"] for r in task_rows):
-            chosen = [r for r in task_rows if r["method"] == method]
-            cells = [f"{100 * statistics.mean(r[c] for r in chosen):.1f}" for c in columns]
-            body.append([method, str(len(chosen)), *cells])
+        body = [[r["method"], str(r["seeds"]), *(f"{r[c]:.1f}" for c in columns)] for r in task_rows]
         names = ["1k-4k" if c == "accuracy" else c.removeprefix("accuracy_") for c in columns]
         lines += [f"### {task}: validation accuracy (%), mean over seeds", ""]
         lines += markdown(["method", "seeds", *names], body) + [""]

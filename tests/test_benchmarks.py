@@ -127,4 +127,4 @@ def test_long_documents_benchmark_compares_students_with_the_teachers_workaround
     assert "### majority_topic" in result.stdout and "### Short texts" in result.stdout
     record = json.loads((out / "record.json").read_text())
     assert record["written_by"] == "benchmarks/long_documents.py"
-    assert set(record["files"]) == {"results.csv", "comparisons.csv", "short_text.csv", "costs.csv"}
+    assert set(record["files"]) == {"results.csv", "summary.csv", "comparisons.csv", "short_text.csv", "costs.csv"}
