@@ -22,13 +22,14 @@ folds shuffled by the seed). Methods:
 - ``teacher head+tail``: the first 128 and the last 382 tokens;
 - ``teacher windows, mean`` / ``max`` / ``mean+max``: every 510-token window, each mean-pooled, then pooled;
 - ``student <encoding>``: the whole document at once, mean-pooled;
+- ``student <encoding>, first 512``: the same student given the teacher's first 510 tokens (what reading on adds);
 - ``random <encoding>``: the student's architecture with random weights, whole document (what pretraining adds).
 
-Accuracy per length bucket and over 1k-4k, the students against every teacher method paired by seed (the project's
-verdict rule: ``lrpe_hf.training.verdicts``), the short-text check (tweet sentiment, the same probe, teacher against
-student) and the time and peak memory of one document per length go to ``--output_dir``: ``results.csv`` (per seed),
-``summary.csv`` (means over seeds), ``comparisons.csv``, ``short_text.csv``, ``costs.csv``, ``results.md`` and
-``record.json``.
+Accuracy per length bucket and over 1k-4k, the students against every teacher method and their own first 512 tokens,
+paired by seed (the project's verdict rule: ``lrpe_hf.training.verdicts``), the short-text check (tweet sentiment, the
+same probe, teacher against student) and the time and peak memory of one document per length go to
+``--output_dir``: ``results.csv`` (per seed), ``summary.csv`` (means over seeds), ``comparisons.csv``,
+``short_text.csv``, ``costs.csv``, ``results.md`` and ``record.json``.
 
     python benchmarks/long_documents.py --output_dir out/long_documents --encodings lrpe_orthogonal,rope,permute \
         --seeds 0,1,2
@@ -284,6 +285,12 @@ def main():
                     out / "vectors" / f"{name.replace(' ', '-')}-seed{seed}-{task}-{split}{subset}.pt",
                     lambda m=model, d=doc_tokens: torch.cat([mean_pooled(m, [t], tokenizer) for t in d]),
                 ).numpy()
+        for (task, split), doc_tokens in tokens.items():  # the student truncated as the teacher is: what length adds
+            if not args.students_only:
+                vectors[f"student {encoding}, first 512", task, split, seed] = embedded(
+                    out / "vectors" / f"student-{encoding}-first512-seed{seed}-{task}-{split}{subset}.pt",
+                    lambda s=student, d=doc_tokens: torch.cat([mean_pooled(s, [t[:510]], tokenizer) for t in d]),
+                ).numpy()
         student_tweets = embedded(
             out / "vectors" / f"student-{encoding}-seed{seed}-{rows_tag}.pt",
             lambda student=student: tweet_vectors(student, tokenizer, args.short_text_rows),
@@ -315,7 +322,7 @@ def main():
             student = {
                 r["seed"]: r["accuracy"] for r in rows if r["task"] == task and r["method"] == f"student {encoding}"
             }
-            for method in TEACHER_METHODS:
+            for method in (*TEACHER_METHODS, f"student {encoding}, first 512"):
                 other = {r["seed"]: r["accuracy"] for r in rows if r["task"] == task and r["method"] == method}
                 test = paired_test([student[s] - other[s] for s in sorted(student)])
                 verdict = {"reproduced": "better", "contradicted": "worse"}.get(test.verdict, "inconclusive")
