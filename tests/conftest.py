@@ -66,3 +66,18 @@ def workspace(tmp_path_factory):
     )
     train_tokenizer.train_tokenizer(args)
     return folder
+
+
+def save_tiny_bert(workspace, folder, max_position_embeddings: int):
+    """A random 2 x 32 BERT with the workspace's tokenizer, saved in ``folder``: it stands in for all-MiniLM-L6-v2,
+    which the benchmarks fetch and the tests never download."""
+    from transformers import AutoTokenizer, BertConfig, BertModel
+
+    tokenizer = AutoTokenizer.from_pretrained(workspace / "tokenizer")
+    config = BertConfig(
+        vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        max_position_embeddings=max_position_embeddings, pad_token_id=tokenizer.pad_token_id,
+    )  # fmt: skip
+    BertModel(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 import transformers
-from transformers import AutoTokenizer, BertConfig, BertModel
+from conftest import save_tiny_bert
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
@@ -47,13 +47,7 @@ def test_linearization_benchmark_runs_every_stage_with_a_local_teacher(workspace
     """A tiny random BERT stands in for the pretrained teacher (the benchmark itself fetches all-MiniLM-L6-v2; the
     tests never download): every model of the table is trained and evaluated, and the students that have no
     parameters for attention transfer skip it."""
-    tokenizer = AutoTokenizer.from_pretrained(workspace / "tokenizer")
-    config = BertConfig(
-        vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-        max_position_embeddings=80, pad_token_id=tokenizer.pad_token_id,
-    )  # fmt: skip
-    BertModel(config).save_pretrained(tmp_path / "teacher")
-    tokenizer.save_pretrained(tmp_path / "teacher")
+    save_tiny_bert(workspace, tmp_path / "teacher", max_position_embeddings=80)
     base = [sys.executable, str(BENCHMARKS / "linearization_quality.py"), "--teacher", str(tmp_path / "teacher")]
     base += ["--output_dir", str(tmp_path / "out"), "--seeds", "0", "--teacher_steps", "2", "--finetune_steps", "2"]
     base += ["--max_eval_samples", "16", "--max_seq_length", "32", "--encodings", "none"]
@@ -92,13 +86,7 @@ def test_long_documents_benchmark_compares_students_with_the_teachers_workaround
     """A tiny random BERT (64 positions) stands in for all-MiniLM-L6-v2: every teacher method, the students of two
     encodings (one of them at two seeds, so that it gets an interval), the random-weight model, the short-text
     check and the costs are reported; the students read documents far past the teacher's table."""
-    tokenizer = AutoTokenizer.from_pretrained(workspace / "tokenizer")
-    config = BertConfig(
-        vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-        max_position_embeddings=520, pad_token_id=tokenizer.pad_token_id,
-    )  # fmt: skip
-    BertModel(config).save_pretrained(tmp_path / "teacher")
-    tokenizer.save_pretrained(tmp_path / "teacher")
+    save_tiny_bert(workspace, tmp_path / "teacher", max_position_embeddings=520)
     command = [sys.executable, str(BENCHMARKS / "long_documents.py"), "--teacher", str(tmp_path / "teacher")]
     command += ["--output_dir", str(tmp_path / "out"), "--encodings", "rope,permute", "--seeds", "0,1"]
     command += ["--seeds_of", "permute=0", "--transfer_steps", "1", "--distill_steps", "1", "--batch_size", "1"]

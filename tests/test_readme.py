@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import save_tiny_bert
 
 from lrpe_hf.training import glue, image_classification, language_modeling, linearization, tokenizer
 
@@ -37,15 +38,7 @@ def test_readme_long_document_snippet_runs_with_a_local_teacher(workspace, tmp_p
     """The snippet as written, but for its teacher (a tiny BERT with the test tokenizer in place of the Hub's
     MiniLM), the corpus path (from the checkout) and its sizes (2 steps on 64-token blocks): the saved student
     reads the whole document through AutoModel and through sentence-transformers, past the teacher's table."""
-    from transformers import AutoTokenizer, BertConfig, BertModel
-
-    tokenizer = AutoTokenizer.from_pretrained(workspace / "tokenizer")
-    config = BertConfig(
-        vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-        max_position_embeddings=64, pad_token_id=tokenizer.pad_token_id,
-    )  # fmt: skip
-    BertModel(config).save_pretrained(tmp_path / "teacher")
-    tokenizer.save_pretrained(tmp_path / "teacher")
+    save_tiny_bert(workspace, tmp_path / "teacher", max_position_embeddings=64)
     (snippet,) = [snippet for snippet in SNIPPETS if HUB_TEACHER in snippet]
     replacements = {
         f'"{HUB_TEACHER}"': repr(str(tmp_path / "teacher")),
