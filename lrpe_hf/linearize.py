@@ -107,6 +107,11 @@ def linearize(model_or_path, table_extension: str | None = None, **config_fields
     config, weights = convert(source, config_fields)
     target = TARGETS[name](config)
     if config.absolute_position_embedding != "learned":  # the relative encoding replaces the pretrained table
+        if table_extension is not None:
+            raise ValueError(
+                f"table_extension={table_extension!r} extends a learned table, and "
+                f"absolute_position_embedding={config.absolute_position_embedding!r} keeps none: drop one of the two"
+            )
         weights = {k: v for k, v in weights.items() if "position_embedding.tables" not in k}
     else:
         weights = fit_position_table(weights, config, table_extension, family)
