@@ -109,7 +109,7 @@ def teacher_vectors(teacher, tokenizer, tokens: list[int]) -> dict[str, torch.Te
     head_tail = tokens if len(tokens) <= HEAD + TAIL else tokens[:HEAD] + tokens[-TAIL:]
     mean, peak = window_vectors.mean(0), window_vectors.amax(0)
     return {
-        "teacher first 512": mean_pooled(teacher, [tokens[:510]], tokenizer)[0],
+        "teacher first 512": window_vectors[0],  # the first window is the first 510 tokens
         "teacher head+tail": mean_pooled(teacher, [head_tail], tokenizer)[0],
         "teacher windows, mean": mean,
         "teacher windows, max": peak,
