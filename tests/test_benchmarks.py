@@ -2,8 +2,11 @@
 
 import csv
 import datetime
+import importlib
 import json
+import math
 import re
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -117,3 +120,33 @@ def test_long_documents_benchmark_compares_students_with_the_teachers_workaround
     record = json.loads((out / "record.json").read_text())
     assert record["written_by"] == "benchmarks/long_documents.py"
     assert set(record["files"]) == {"results.csv", "summary.csv", "comparisons.csv", "short_text.csv", "costs.csv"}
+
+
+def test_decode_latency_pairs_each_round_with_gpt2s():
+    sys.path.insert(0, str(BENCHMARKS))
+    decode_latency = importlib.import_module("decode_latency")
+    gpt2 = [10.0, 12.0, 8.0, 11.0]
+    times = {"gpt2-sdpa": gpt2, "twice": [2 * t for t in gpt2], "level": [10.5, 11.4, 8.4, 10.45]}
+    rows = {r["model"]: r for r in decode_latency.rows_of(times, context=256, new_tokens=16)}
+    # every round twice as slow: a ratio of exactly 2, decided, though the rounds' own times vary by 50%
+    assert rows["twice"]["over_gpt2"] == 2.0 and rows["twice"]["verdict"] == "slower"
+    assert rows["twice"]["ms_per_token"] == 2 * statistics.median(gpt2)
+    # ratios 1.05, 0.95, 1.05, 0.95: geometric mean sqrt(1.05 * 0.95), the t-interval of the log ratios around it
+    logs = [math.log(r) for r in (1.05, 0.95, 1.05, 0.95)]
+    half = 3.182446 * statistics.stdev(logs) / 2  # t(0.975, 3) sd / sqrt(4)
+    assert rows["level"]["over_gpt2"] == round(math.sqrt(1.05 * 0.95), 4) and rows["level"]["verdict"] == "inconclusive"
+    assert abs(rows["level"]["low"] - math.exp(statistics.fmean(logs) - half)) < 1e-4
+    assert abs(rows["level"]["high"] - math.exp(statistics.fmean(logs) + half)) < 1e-4
+
+
+def test_decode_latency_benchmark_writes_its_table_and_record(tmp_path):
+    command = [sys.executable, str(BENCHMARKS / "decode_latency.py"), "--encodings", "rope", "--rounds", "2"]
+    command += ["--new_tokens", "2", "--context", "8", "--out", str(tmp_path)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    with open(tmp_path / "decode_latency.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["model"] for r in rows] == ["gpt2-sdpa", "rope"] and rows[1]["rounds"] == "2"
+    assert float(rows[1]["low"]) <= float(rows[1]["over_gpt2"]) <= float(rows[1]["high"])
+    record = json.loads((tmp_path / "decode_latency.json").read_text())
+    assert record["written_by"] == "benchmarks/decode_latency.py" and record["files"] == ["decode_latency.csv"]

@@ -1,0 +1,131 @@
+"""Eager decoding against GPT-2 at a short context, decided by paired rounds in one process.
+
+Is one LinearGPT decoding step as fast as GPT-2's (SDPA) at 256 context? At this size a step takes a few
+milliseconds and a shared machine moves absolute times by 10-30% between runs, so models timed one after another
+(``benchmark_models.py``) do not decide it. Here every model lives in this one process (the same size as
+``benchmark_models.py``: 6 x 512, 8 heads, FFN 2,048, vocabulary 8,192; batch 1, fp32, eval mode, no gradient), and
+each round times every model in turn (the order rotating from round to round):
+
+- untimed: a fresh prefill of the same ``--context``-token prompt (a new cache), then one step;
+- timed: ``--new_tokens`` one-token steps, greedy.
+
+Each encoding's time over GPT-2's in the same round is one paired sample. Over the rounds: the geometric mean of
+the ratios with its 95% interval (Student's t over the log ratios, ``lrpe_hf.training.verdicts.paired_test``) and
+the verdict *faster* (the interval lies below 1), *slower* (above 1) or *inconclusive*.
+
+Writes ``decode_latency.csv`` and its record ``decode_latency.json`` to ``--out`` and prints the table.
+
+    OMP_NUM_THREADS=1 python benchmarks/decode_latency.py --out docs/data/benchmarks/decode_latency
+"""
+
+import argparse
+import csv
+import math
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from benchmark_models import SIZE, build
+from measure import write_provenance
+from transformers import DynamicCache
+
+from lrpe_hf import LinearAttentionCache
+from lrpe_hf.modeling.forward_arguments import CACHE_OUTPUT_FIELD
+from lrpe_hf.training.verdicts import paired_test
+
+GPT2 = "gpt2-sdpa"
+ENCODINGS = ["none", "rope", "lrpe_orthogonal", "lrpe_unitary", "permute", "spe_sine", "fastrpb"]
+FIELDS = ["model", "context", "new_tokens", "rounds", "ms_per_token", "over_gpt2", "low", "high", "p_value", "verdict"]
+
+
+class Decoder:
+    """One model, its prompt, and a timed round of greedy one-token steps after a fresh prefill."""
+
+    def __init__(self, name: str, prompt: torch.Tensor, max_tokens: int):
+        self.name, self.prompt = name, prompt
+        self.model = build(name, max_tokens, "cpu").eval()
+
+    def new_cache(self):
+        return DynamicCache() if self.name == GPT2 else LinearAttentionCache(SIZE["layers"])
+
+    def step(self, token, cache):
+        out = self.model(input_ids=token, use_cache=True, **{CACHE_OUTPUT_FIELD: cache})
+        return out.logits[:, -1:].argmax(-1), out[CACHE_OUTPUT_FIELD]
+
+    @torch.no_grad()
+    def round_ms(self, new_tokens: int) -> float:
+        """Milliseconds per token of ``new_tokens`` steps after an untimed prefill and first step."""
+        out = self.model(
+            input_ids=self.prompt, use_cache=True, logits_to_keep=1, **{CACHE_OUTPUT_FIELD: self.new_cache()}
+        )
+        token, cache = self.step(out.logits[:, -1:].argmax(-1), out[CACHE_OUTPUT_FIELD])
+        start = time.perf_counter()
+        for _ in range(new_tokens):
+            token, cache = self.step(token, cache)
+        return 1000 * (time.perf_counter() - start) / new_tokens
+
+
+def measure(encodings, context: int, new_tokens: int, rounds: int) -> dict[str, list[float]]:
+    """Per model, its milliseconds per token in each of ``rounds`` rounds (after one untimed warm-up round)."""
+    torch.manual_seed(0)
+    prompt = torch.randint(0, SIZE["vocab"], (1, context))
+    decoders = [Decoder(name, prompt, context + new_tokens + 2) for name in [GPT2, *encodings]]
+    times = {decoder.name: [] for decoder in decoders}
+    for round_index in range(rounds + 1):
+        shift = round_index % len(decoders)
+        for decoder in decoders[shift:] + decoders[:shift]:
+            ms = decoder.round_ms(new_tokens)
+            if round_index:
+                times[decoder.name].append(ms)
+    return times
+
+
+def rows_of(times: dict[str, list[float]], context: int, new_tokens: int) -> list[dict]:
+    reference = times[GPT2]
+    rows = []
+    for name, samples in times.items():
+        test = paired_test([math.log(ms / gpt2) for ms, gpt2 in zip(samples, reference)])
+        verdict = "faster" if test.high < 0 else "slower" if test.low > 0 else "inconclusive"
+        rows.append(
+            dict(
+                model=name, context=context, new_tokens=new_tokens, rounds=len(samples),
+                ms_per_token=round(statistics.median(samples), 3),
+                over_gpt2=round(math.exp(test.mean), 4),
+                low="" if name == GPT2 else round(math.exp(test.low), 4),
+                high="" if name == GPT2 else round(math.exp(test.high), 4),
+                p_value="" if name == GPT2 else f"{test.p_value:.2g}",
+                verdict="-" if name == GPT2 else verdict,
+            )
+        )  # fmt: skip
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--encodings", nargs="+", default=ENCODINGS, help="LinearGPT positional encodings")
+    parser.add_argument("--context", type=int, default=256, help="prompt tokens before the timed steps")
+    parser.add_argument("--new_tokens", type=int, default=16, help="timed one-token steps per model and round")
+    parser.add_argument("--rounds", type=int, default=30, help="timed rounds (each model once per round)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "decode_latency")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.rounds < 2:
+        parser.error(f"--rounds must be at least 2 for an interval, got {args.rounds}")
+    times = measure(args.encodings, args.context, args.new_tokens, args.rounds)
+    rows = rows_of(times, args.context, args.new_tokens)
+    args.out.mkdir(parents=True, exist_ok=True)
+    with open(args.out / "decode_latency.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=FIELDS)
+        writer.writeheader()
+        writer.writerows(rows)
+    write_provenance(args.out / "decode_latency.json", "cpu", files=["decode_latency.csv"])
+    print("| " + " | ".join(FIELDS) + " |")
+    for row in rows:
+        print("| " + " | ".join(str(row[field]) for field in FIELDS) + " |")
+
+
+if __name__ == "__main__":
+    main()
