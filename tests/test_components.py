@@ -446,6 +446,42 @@ def test_rotation_of_queries_and_keys_has_the_gradients_of_the_written_out_rotat
             torch.testing.assert_close(g, w)
 
 
+@pytest.mark.parametrize("position_dims", [1, 2])
+def test_a_decoding_steps_rotation_matches_the_turn_reduced_rotation_far_out(position_dims):
+    """A decoding step's few angles take ``rotate_few`` (unreduced float64 angles, one polar, products rounded once);
+    every other no-gradient call reduces the angles in turns first (``unit_angles``). At positions near 10^6, in
+    float64 features, the two agree to 1e-9; in float32 each is within float32's rounding of that reference; and
+    the model-level call takes the few-angle path for one token and the other for many."""
+    from lrpe_hf.modeling import positional_rope
+    from lrpe_hf.modeling.positional_encoding import axis_of_each, unit_angles
+
+    torch.manual_seed(0)
+    theta = positional_rope.rotary_frequencies(8, 10000.0, position_dims).repeat(2, 1)  # (2 heads, 8 pairs)
+    theta[:, 0] = 1.0  # the fastest pair turns a radian per position: about 160,000 turns at 10^6
+    axis = axis_of_each(8, position_dims)
+    positions = torch.randint(999_000, 1_000_000, (3, 1, position_dims))  # 3 rows, one token each
+    q, k = torch.randn(3, 2, 1, 16, dtype=torch.float64), torch.randn(3, 2, 1, 16, dtype=torch.float64)
+    assert positional_rope.few_angles(positions, theta)
+    few = positional_rope.rotate_few(q, k, positions, theta, axis)
+    reduced = positional_rope.rotate_by_angles(q, k, unit_angles(positions, theta, axis, torch.float64))
+    for got, want in zip(few, reduced):
+        torch.testing.assert_close(got, want, atol=1e-9, rtol=0)
+    for got, want in zip(positional_rope.rotate_few(q.float(), k.float(), positions, theta, axis), reduced):
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, want.float(), atol=1e-6, rtol=1e-6)
+    many = torch.randint(0, 1000, (1, 4096, position_dims))
+    assert not positional_rope.few_angles(many, theta)
+    encoding = positional_rope.RotaryPositionalEncoding(2, 16, position_dims=position_dims)
+    with torch.no_grad():
+        for got, want in zip(
+            encoding.encode_features(q, k, positions),
+            positional_rope.rotate_by_angles(
+                q, k, unit_angles(positions, encoding.frequencies, encoding.axis, torch.float64)
+            ),
+        ):
+            torch.testing.assert_close(got, want, atol=1e-9, rtol=0)
+
+
 @pytest.mark.parametrize("position_dims, same_rows", [(1, True), (1, False), (2, False)])
 @pytest.mark.parametrize("block_elements", [None, 40])  # 40: blocks of one token
 def test_unitary_lift_has_the_gradients_of_the_written_out_lift(position_dims, same_rows, block_elements, monkeypatch):

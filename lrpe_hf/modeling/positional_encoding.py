@@ -96,19 +96,26 @@ def turn_rates(frequencies: torch.Tensor) -> torch.Tensor:
     return frequencies[:, None].to(torch.float64) / (2 * math.pi)
 
 
-class TurnRates:
-    """``turn_rates`` of a module's frequencies where no gradient is wanted (decoding, evaluation), computed once
-    and again only after the frequencies change (their tensor or its version); None where one is wanted."""
+def radian_rates(frequencies: torch.Tensor) -> torch.Tensor:
+    """Frequencies (H, U) in radians per unit of position, float64 (H, 1, U): the rates of a decoding step's
+    rotation (``positional_rope.rotate_few``)."""
+    return frequencies[:, None].to(torch.float64)
 
-    def __init__(self):
-        self.seen = None
+
+class CachedRates:
+    """``convert(frequencies)`` (``turn_rates`` by default) of a module's frequencies where no gradient is wanted
+    (decoding, evaluation), computed once and again only after the frequencies change (their tensor or its
+    version); None where one is wanted."""
+
+    def __init__(self, convert=turn_rates):
+        self.convert, self.seen = convert, None
 
     def __call__(self, frequencies: torch.Tensor) -> torch.Tensor | None:
         if torch.is_grad_enabled() and frequencies.requires_grad or torch.compiler.is_compiling():
             return None
         version = version_of(frequencies)
         if self.seen is None or self.seen[0] is not frequencies or version is None or self.seen[1] != version:
-            self.seen = frequencies, version, turn_rates(frequencies)
+            self.seen = frequencies, version, self.convert(frequencies)
         return self.seen[2]
 
 

@@ -24,8 +24,8 @@ from torch.nn import functional as F
 
 from .gradients import version_of, wants_gradient
 from .positional_encoding import (
+    CachedRates,
     PositionalEncoding,
-    TurnRates,
     angle_blocks,
     axis_of_each,
     frequency_gradient,
@@ -142,7 +142,7 @@ class LRPEUnitary(PositionalEncoding):
         self.p = p
         self.num_heads, self.feature_dim, self.position_dims, self.base = num_heads, feature_dim, position_dims, base
         self.register_initial_values(trainable={"angles": learnable_angles})
-        self.turn_rates = TurnRates()
+        self.turn_rates = CachedRates()
 
     def initial_values(self):
         # One angle per feature dimension: alpha_i = base^(-2i/m) over each axis's share of the dimensions.

@@ -9,11 +9,13 @@ from torch.autograd.function import once_differentiable
 
 from .gradients import wants_gradient
 from .positional_encoding import (
+    CachedRates,
     PositionalEncoding,
-    TurnRates,
     angle_blocks,
     axis_of_each,
+    distinct_rows,
     frequency_gradient,
+    radian_rates,
     unit_angles,
     units_per_axis,
 )
@@ -64,8 +66,16 @@ def multiply_pairs(x: torch.Tensor, factor: torch.Tensor, out: torch.Tensor | No
     return torch.cat([rotated, x[..., 2 * num_pairs :]], dim=-1)
 
 
-FEW_ANGLES = 1 << 12  # below this (a decoding step), ``unit_factors`` takes one op (polar), not three
+FEW_ANGLES = 1 << 12  # below this (a decoding step), exp(i angle) takes one op (polar), not three
 _ONES = {}  # a 0-dim one per (dtype, device): polar's modulus
+
+
+def polar_one(angles: torch.Tensor) -> torch.Tensor:
+    """exp(i angles) by one op (``torch.polar``), complex of ``angles``' precision."""
+    key = (angles.dtype, angles.device)
+    if key not in _ONES:
+        _ONES[key] = torch.ones((), dtype=angles.dtype, device=angles.device)
+    return torch.polar(_ONES[key], angles)
 
 
 def unit_factors(angles: torch.Tensor, dtype) -> torch.Tensor:
@@ -73,11 +83,27 @@ def unit_factors(angles: torch.Tensor, dtype) -> torch.Tensor:
     long on a CPU: 11 ms against 1.9 ms for 1M angles; for a decoding step's few angles it is one op, not three.)"""
     complex_dtype = torch.promote_types(dtype, torch.complex64)
     if angles.numel() < FEW_ANGLES and not torch.compiler.is_compiling() and not angles.requires_grad:
-        key = (angles.dtype, angles.device)
-        if key not in _ONES:
-            _ONES[key] = torch.ones((), dtype=angles.dtype, device=angles.device)
-        return torch.polar(_ONES[key], angles).to(complex_dtype)
+        return polar_one(angles).to(complex_dtype)
     return torch.complex(angles.cos(), angles.sin()).to(complex_dtype)
+
+
+def few_angles(positions: torch.Tensor, theta: torch.Tensor) -> bool:
+    """Whether the rotation of these positions has few angles (a decoding step's), outside compilation."""
+    rows = distinct_rows(positions)
+    return rows.shape[0] * rows.shape[1] * theta.numel() < FEW_ANGLES and not torch.compiler.is_compiling()
+
+
+def rotate_few(q, k, positions, theta, axis, radians=None):
+    """The pair rotation of q and k (float32 or float64) for few angles, without gradient: the angles
+    position * theta formed in float64 and left unreduced (float64's cos and sin reduce them; at position 10^6 the
+    product's rounding is about 10^-10 radians), exp(i angle) in complex128 by one polar, and each product rounded
+    once into the features' dtype. Four ops where ``unit_angles`` and ``rotate_by_angles`` take six: the step's
+    cost on a GPU is its launches. ``radians``: ``radian_rates(theta)`` where the caller keeps them."""
+    coordinates = distinct_rows(positions)  # (B', N, A)
+    if coordinates.shape[-1] > 1:
+        coordinates = coordinates[..., axis]  # (B', N, P)
+    factor = polar_one(coordinates[:, None] * (radian_rates(theta) if radians is None else radians))  # (B', H, N, P)
+    return tuple(multiply_pairs(x, factor, out=torch.empty_like(x)) for x in (q, k))
 
 
 def rotate_by_angles(q, k, angles):
@@ -135,14 +161,17 @@ class RotateQueriesAndKeys(torch.autograd.Function):
         return *grads, None, grad_theta, None
 
 
-def rotate_queries_and_keys(q, k, positions, theta, axis, rates=None):
+def rotate_queries_and_keys(q, k, positions, theta, axis, rates=None, radians=None):
     """q and k (B, H, N, m) with their feature pairs rotated by the angles position * theta (positions (B, N, A),
-    theta (H, P), axis (P,) the position axis of each pair; ``rates``: theta's ``turn_rates`` where the caller keeps
-    them): through ``RotateQueriesAndKeys`` where complex kernels apply (float32, float64), else in the real
+    theta (H, P), axis (P,) the position axis of each pair; ``rates`` and ``radians``: theta's ``turn_rates`` and
+    ``radian_rates`` where the caller keeps them): through ``RotateQueriesAndKeys`` where complex kernels apply
+    (float32, float64) and a gradient is wanted, ``rotate_few`` for a decoding step's few angles, else in the real
     form."""
     if q.dtype in (torch.float32, torch.float64) and k.dtype == q.dtype:
         if wants_gradient(q, k, theta):
             return RotateQueriesAndKeys.apply(q, k, positions, theta, axis)
+        if few_angles(positions, theta):
+            return rotate_few(q, k, positions, theta, axis, radians)
         return rotate_by_angles(q, k, unit_angles(positions, theta, axis, q.dtype, rates))
     angles = unit_angles(positions, theta, axis, q.dtype, rates)
     cos, sin = angles.cos().to(q.dtype), angles.sin().to(q.dtype)
@@ -165,7 +194,7 @@ class RotaryPositionalEncoding(PositionalEncoding):
         super().__init__()
         self.num_heads, self.num_pairs, self.base, self.position_dims = num_heads, feature_dim // 2, base, position_dims
         self.register_initial_values(trainable={"frequencies": True} if learnable else {})
-        self.turn_rates = TurnRates()
+        self.turn_rates, self.radian_rates = CachedRates(), CachedRates(radian_rates)
 
     def initial_values(self):
         frequencies = rotary_frequencies(self.num_pairs, self.base, self.position_dims).repeat(self.num_heads, 1)
@@ -177,4 +206,5 @@ class RotaryPositionalEncoding(PositionalEncoding):
 
     def encode_features(self, q, k, positions):
         rates = self.turn_rates(self.frequencies)
-        return rotate_queries_and_keys(q, k, positions, self.frequencies, self.axis, rates)
+        radians = self.radian_rates(self.frequencies)
+        return rotate_queries_and_keys(q, k, positions, self.frequencies, self.axis, rates, radians)
