@@ -255,7 +255,8 @@ def one_block():
     block (a GPU wants whole tensors: each block costs launches). Set on the class or module that reads it at
     call time; restored on exit. The positional transforms' ``angle_blocks`` and the feature maps already take one
     block off the CPU (they test ``is_cpu``); FastRPB's transposing copy and the LM loss's rows split on every
-    device."""
+    device. ``feature_maps.FEW_ELEMENTS`` is set with them: 1 + elu then takes the branch a GPU takes (elu and an
+    add), not the CPU's cache-friendly four passes."""
     import lrpe_hf.modeling.positional_spe as positional_spe
     from lrpe_hf.modeling import feature_maps, lm_loss, positional_fastrpb, products_shared
     from lrpe_hf.modeling.positional_lrpe import UnitaryLift
@@ -267,6 +268,7 @@ def one_block():
     settings = [
         (products_shared, "BLOCK_ELEMENTS"),  # heads per block of the chunked products' C x C scores
         (feature_maps, "ELEMENTWISE_BLOCK"),  # elements per block of 1 + elu
+        (feature_maps, "FEW_ELEMENTS"),  # below it, 1 + elu takes a GPU's two ops (elu, add), not the CPU's four
         (lm_loss, "ROWS_PER_BLOCK"),  # rows of logits per block of the LM loss
         (positional_fastrpb, "TRANSPOSE_BLOCK"),  # tokens per block of FastRPB's copy into its FFT buffer
         (RotateQueriesAndKeys, "BLOCK_ELEMENTS"),  # RoPE's rotation
@@ -732,6 +734,30 @@ def gpu_dropout():
         F.dropout = original
 
 
+@contextlib.contextmanager
+def kept_triangles(fake_mode):
+    """In a shape-only run (``fake_mode``), the chunked prefix sums' triangles of ones as fakes of the real ones
+    that ``products_chunked.triangle_of_ones`` keeps: a real step reads them made once, so a fake one must not
+    make them either (their ``ones`` and ``tril_`` would count as launches and bytes a real step does not have)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    from lrpe_hf.modeling import products_chunked
+
+    original = products_chunked.triangle_of_ones
+
+    def fake_of_the_kept(chunk_size, like, upper):
+        with _disable_current_modes():  # neither fake nor recorded: made (once) as a real step would have
+            kept = original(chunk_size, torch.empty(0, dtype=like.dtype, device=like.device), upper)
+        return fake_mode.from_tensor(kept)
+
+    if fake_mode is not None:
+        products_chunked.triangle_of_ones = fake_of_the_kept
+    try:
+        yield
+    finally:
+        products_chunked.triangle_of_ones = original
+
+
 def layer_ops(name: str, tokens: int, size=SIZE, fake: bool = True) -> tuple[list, list]:
     """The ops (``OpBytes``) of one layer's bf16 train step (forward and backward of a random output gradient,
     the input wanting its gradient as inside a stack) at ``tokens`` tokens, batch 1, and the fla stand-in calls:
@@ -742,7 +768,8 @@ def layer_ops(name: str, tokens: int, size=SIZE, fake: bool = True) -> tuple[lis
 
     STAND_IN_CALLS.clear()
     kernels = None if name == GPT2 else shape_kernels()
-    with FakeTensorMode() if fake else contextlib.nullcontext(), one_block(), fla_path(kernels), gpu_dropout():
+    mode = FakeTensorMode() if fake else contextlib.nullcontext()
+    with mode, kept_triangles(mode if fake else None), one_block(), fla_path(kernels), gpu_dropout():
         model = build(name, 1, tokens, size)
         layer = model.transformer.h[0] if name == GPT2 else model.model.stack.layers[0]
         layer.train()

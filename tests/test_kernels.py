@@ -171,6 +171,27 @@ def test_chunk_prefix_sums_equal_cumsum(reverse):
     torch.testing.assert_close(chunk_prefix_sums(x, 4, reverse), expected)
 
 
+def test_the_kept_triangles_of_ones_serve_training_after_inference_mode_and_fake_runs():
+    """The prefix sums' C x C triangles are made once and kept: one first made under ``inference_mode`` still lets
+    a later training step save it for backward, and a shape-only (fake) run neither keeps a fake one nor breaks
+    the next real call."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from lrpe_hf.modeling import products_chunked
+
+    products_chunked._TRIANGLES.clear()
+    with torch.inference_mode():
+        products_chunked.triangle_of_ones(8, torch.empty(0, dtype=torch.float64), upper=False)
+    with FakeTensorMode() as mode:
+        chunk_prefix_sums(mode.from_tensor(torch.randn(2, 16, 3)), 8, reverse=True)
+    assert all(type(t) is torch.Tensor and not t.is_inference() for t in products_chunked._TRIANGLES.values())
+    x = torch.randn(2, 16, 3, dtype=torch.float64, requires_grad=True)
+    weights = torch.randn(2, 16, 3, dtype=torch.float64)
+    (grad,) = torch.autograd.grad((chunk_prefix_sums(x, 8) * weights).sum(), x)
+    torch.testing.assert_close(grad, weights.flip(1).cumsum(1).flip(1))  # d/dx_t of sum_s w_s sum_{t<=s} x_t
+    torch.testing.assert_close(products_chunked.triangle_of_ones(8, x, upper=True), torch.ones(8, 8).triu().double())
+
+
 @pytest.mark.parametrize(
     "num_tokens, chunk_size, block_elements", [(29, 4, 128), (29, 4, 1 << 20), (29, 64, 1 << 20), (1, 64, 1 << 20)]
 )

@@ -71,11 +71,15 @@ _ONES = {}  # a 0-dim one per (dtype, device): polar's modulus
 
 
 def polar_one(angles: torch.Tensor) -> torch.Tensor:
-    """exp(i angles) by one op (``torch.polar``), complex of ``angles``' precision."""
+    """exp(i angles) by one op (``torch.polar``), complex of ``angles``' precision. The modulus, a 0-dim one, is made
+    once per dtype and device (kept only as a plain tensor: not a fake one of a shape-only run)."""
     key = (angles.dtype, angles.device)
-    if key not in _ONES:
-        _ONES[key] = torch.ones((), dtype=angles.dtype, device=angles.device)
-    return torch.polar(_ONES[key], angles)
+    one = _ONES.get(key)
+    if one is None:
+        one = torch.ones((), dtype=angles.dtype, device=angles.device)
+        if type(one) is torch.Tensor and not one.is_inference():
+            _ONES[key] = one
+    return torch.polar(one, angles)
 
 
 def unit_factors(angles: torch.Tensor, dtype) -> torch.Tensor:

@@ -308,14 +308,36 @@ class ChunkedCausalProduct(torch.autograd.Function):
         return block.new_empty(block.shape, dtype=dtype).view(-1, chunk_size, block.shape[-1])
 
 
+_TRIANGLES = {}  # (C, dtype, device, upper) -> a C x C triangle of ones, made once
+
+
+def triangle_of_ones(chunk_size: int, like: torch.Tensor, upper: bool) -> torch.Tensor:
+    """The C x C lower (or ``upper``) triangle of ones, inclusive, in ``like``'s dtype and device: made once per
+    kind and kept (two kernel launches fewer per prefix sum on a GPU). Made afresh while compiling (the compiler
+    folds it into the product) and where it comes out as anything but a plain tensor (a fake tensor of a
+    shape-only run); kept as a normal tensor even when first made under ``torch.inference_mode``, so that a
+    later training step may save it for backward."""
+    if torch.compiler.is_compiling():
+        ones = torch.ones(chunk_size, chunk_size, dtype=like.dtype, device=like.device)
+        return ones.triu() if upper else ones.tril()
+    key = (chunk_size, like.dtype, like.device, upper)
+    triangle = _TRIANGLES.get(key)
+    if triangle is None:
+        with torch.inference_mode(False):
+            ones = torch.ones(chunk_size, chunk_size, dtype=like.dtype, device=like.device)
+            triangle = ones.triu_() if upper else ones.tril_()
+        if type(triangle) is torch.Tensor:
+            _TRIANGLES[key] = triangle
+    return triangle
+
+
 def chunk_prefix_sums(x, chunk_size: int, reverse: bool = False):
     """Inclusive prefix sums of x (G, N, m) along the tokens, or suffix sums with ``reverse``; N a multiple of C.
     Within each chunk one product with a triangular matrix of ones, across chunks the running totals of the
     chunks. (``cumsum`` along the tokens runs one serial thread per column on CUDA, and was slower on the CPU too.)
     """
     G, N, m = x.shape
-    ones = torch.ones(chunk_size, chunk_size, dtype=x.dtype, device=x.device)
-    sums = torch.matmul(ones.triu_() if reverse else ones.tril_(), x.view(G, N // chunk_size, chunk_size, m))
+    sums = torch.matmul(triangle_of_ones(chunk_size, x, reverse), x.view(G, N // chunk_size, chunk_size, m))
     if reverse:  # each chunk's total is its first row; every chunk adds the totals of the chunks after it
         carried = sums[:, :, 0].flip(1).cumsum(1).flip(1)
         sums[:, :-1] += carried[:, 1:, None]
