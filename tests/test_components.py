@@ -446,6 +446,55 @@ def test_rotation_of_queries_and_keys_has_the_gradients_of_the_written_out_rotat
             torch.testing.assert_close(g, w)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_rotation_is_the_float64_rotation_rounded_once(dtype):
+    """Half-precision q and k are rotated as complex products in float32 and rounded once into their dtype (the
+    real form rounded cos and sin to half precision first): with and without a gradient, and a decoding step, each
+    output lies within one rounding (half an ulp: at most 2^-8 of it for bfloat16, 2^-11 for float16) of the
+    float64 rotation of the same inputs, and the gradients of q, k and theta match the float64 rotation's."""
+    from lrpe_hf.modeling.positional_rope import rotate_queries_and_keys
+
+    torch.manual_seed(0)
+    q, k = (torch.randn(2, 3, 40, 9, dtype=dtype, requires_grad=True) for _ in range(2))  # 9: one passes through
+    theta = torch.rand(3, 4, requires_grad=True)
+    axis, positions = torch.zeros(4, dtype=torch.long), torch.arange(40)[None, :, None].expand(2, -1, -1)
+    angles = positions.double()[:, None, :, 0, None] * theta.double()[:, None, :]  # (2, 3, 40, 4)
+
+    def exact(x):  # float64, the written-out 2x2 rotation of the first 4 pairs
+        x = x.double()
+        even, odd, rest = x[..., 0:8:2], x[..., 1:8:2], x[..., 8:]
+        cos, sin = angles.cos(), angles.sin()
+        return torch.cat([torch.stack([even * cos - odd * sin, even * sin + odd * cos], -1).flatten(-2), rest], -1)
+
+    unit = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}[dtype]  # the ulp of [1, 2): 8 and 11 bits
+    expected = exact(q), exact(k)
+    for got, want in zip(rotate_queries_and_keys(q, k, positions, theta, axis), expected):
+        assert got.dtype == dtype
+        bound = unit * want.abs() + 1e-6  # a value in [2^e, 2^(e+1)) has ulp unit * 2^e (1e-6: float16's subnormals)
+        assert ((got.double() - want).abs() <= bound / 2 * 1.01).all()
+    with torch.no_grad():
+        for got, want in zip(rotate_queries_and_keys(q, k, positions, theta, axis), expected):
+            assert ((got.double() - want).abs() <= (unit * want.abs() + 1e-6) / 2 * 1.01).all()
+        last = positions[:, -1:]
+        for got, want in zip(rotate_queries_and_keys(q[:, :, -1:], k[:, :, -1:], last, theta, axis), expected):
+            assert ((got.double() - want[:, :, -1:]).abs() <= (unit * want[:, :, -1:].abs() + 1e-6) / 2 * 1.01).all()
+    grads = [torch.randn(2, 3, 40, 9, dtype=torch.float64) for _ in range(2)]
+    ours = rotate_queries_and_keys(q, k, positions, theta, axis)
+    got = torch.autograd.grad(sum((y.double() * g).sum() for y, g in zip(ours, grads)), (q, k, theta))
+    want = torch.autograd.grad(sum((y * g).sum() for y, g in zip(expected, grads)), (q, k, theta))
+    for g, w in zip(got[:2], want[:2]):  # the gradient rotated back, rounded once
+        torch.testing.assert_close(g.double(), w.double(), atol=unit * 4, rtol=unit)
+    # theta's: sum over rows and tokens of position x (grad_odd y_even - grad_even y_odd), y the outputs; each y and
+    # each grad reaches it rounded to half precision (at most unit / 2 relative), so the error is within unit x
+    # the sum of position x (|grad_odd y_even| + |grad_even y_odd|)
+    terms = sum(
+        g[..., 1:8:2].abs() * y[..., 0:8:2].abs() + g[..., 0:8:2].abs() * y[..., 1:8:2].abs()
+        for y, g in zip(expected, grads)
+    )
+    bound = unit * (positions.double()[:, None, :, 0, None] * terms.detach()).sum((0, 2))  # (heads, pairs)
+    assert ((got[2].double() - want[2].double()).abs() <= bound).all()
+
+
 @pytest.mark.parametrize("position_dims", [1, 2])
 def test_a_decoding_steps_rotation_matches_the_turn_reduced_rotation_far_out(position_dims):
     """A decoding step's few angles take ``rotate_few`` (unreduced float64 angles, one polar, products rounded once);

@@ -20,11 +20,13 @@ from .positional_encoding import (
     units_per_axis,
 )
 
+COMPLEX_READY = (torch.float32, torch.float64)  # dtypes read as complex pairs in place; half precision is upcast
+
 
 def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate consecutive pairs of ``x`` (..., m) by angles given as ``cos``, ``sin`` (..., P), P <= m // 2;
-    the remaining features pass through. The real form, for half precision (no complex kernels on every
-    device); float32 and float64 go through ``RotateQueriesAndKeys``."""
+    the remaining features pass through. The real form, for half precision under ``torch.compile`` (which fuses
+    it; complex ops would not be); everywhere else the complex product of ``multiply_pairs``."""
     num_pairs = cos.shape[-1]
     pairs, rest = x[..., : 2 * num_pairs], x[..., 2 * num_pairs :]
     even, odd = pairs[..., 0::2], pairs[..., 1::2]
@@ -35,7 +37,9 @@ def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 def as_pairs(x: torch.Tensor, num_pairs: int) -> torch.Tensor:
     """The first ``num_pairs`` pairs of x (..., m) as complex numbers (..., P): a view where the layout of x
     allows one (pairs adjacent, every other stride and the offset even), else a copy (always under
-    ``torch.compile``, which fuses it)."""
+    ``torch.compile``, which fuses it). Half precision is read as complex64, through a float32 copy."""
+    if x.dtype not in COMPLEX_READY:
+        x = x.float()
     pairs = (x if 2 * num_pairs == x.shape[-1] else x[..., : 2 * num_pairs]).unflatten(-1, (num_pairs, 2))
     if torch.compiler.is_compiling() or not viewable_as_complex(pairs):
         pairs = pairs.contiguous()
@@ -50,8 +54,13 @@ def viewable_as_complex(pairs: torch.Tensor) -> bool:
 def multiply_pairs(x: torch.Tensor, factor: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """x (..., m) with its first P pairs read as complex numbers and multiplied by ``factor`` (..., P) complex;
     written into ``out`` (x's shape) if given (through a copy while compiling: a compiled graph takes no complex
-    views of an output)."""
+    views of an output). Half precision: the product in float32 (or the factor's precision), rounded once into
+    x's dtype: three ops (upcast, product, rounding copy) where the real form takes seven, and no rounding of the
+    cosines and sines to half precision."""
     num_pairs = factor.shape[-1]
+    if x.dtype not in COMPLEX_READY:
+        rotated = multiply_pairs(x.float(), factor)
+        return rotated.to(x.dtype) if out is None else out.copy_(rotated)
     if out is not None:
         target = out[..., : 2 * num_pairs].unflatten(-1, (num_pairs, 2))
         if torch.compiler.is_compiling() or not viewable_as_complex(target):
@@ -98,7 +107,7 @@ def few_angles(positions: torch.Tensor, theta: torch.Tensor) -> bool:
 
 
 def rotate_few(q, k, positions, theta, axis, radians=None):
-    """The pair rotation of q and k (float32 or float64) for few angles, without gradient: the angles
+    """The pair rotation of q and k for few angles, without gradient: the angles
     position * theta formed in float64 and left unreduced (float64's cos and sin reduce them; at position 10^6 the
     product's rounding is about 10^-10 radians), exp(i angle) in complex128 by one polar, and each product rounded
     once into the features' dtype. Four ops where ``unit_angles`` and ``rotate_by_angles`` take six: the step's
@@ -111,13 +120,13 @@ def rotate_few(q, k, positions, theta, axis, radians=None):
 
 
 def rotate_by_angles(q, k, angles):
-    """The pair rotation of q and k (float32 or float64) by the same ``angles``, in complex arithmetic."""
+    """The pair rotation of q and k by the same ``angles``, in complex arithmetic."""
     factor = unit_factors(angles, q.dtype)
     return multiply_pairs(q, factor), multiply_pairs(k, factor)
 
 
 class RotateQueriesAndKeys(torch.autograd.Function):
-    """The pair rotation of q and k (float32 or float64) by the angles position * theta (``unit_angles`` of
+    """The pair rotation of q and k (any float dtype) by the angles position * theta (``unit_angles`` of
     positions (B, N, A), theta (H, P), axis (P,)), saving only the rotated outputs (the attention saves them too)
     and the positions: backward recomputes the angles, turns the gradient back by -angle, and gives theta's
     gradient from the angles', Im(conj(y) grad) for each rotated pair y (``frequency_gradient``).
@@ -146,7 +155,8 @@ class RotateQueriesAndKeys(torch.autograd.Function):
         grads = [None if g is None else torch.empty_like(g) for g in (grad_q, grad_k)]
         terms = [(y, g, grad_x) for y, g, grad_x in zip(rotated, (grad_q, grad_k), grads) if g is not None]
         want_theta = ctx.needs_input_grad[3]
-        grad_angles = rotated[0].new_empty(*rotated[0].shape[:-1], num_pairs) if want_theta else None
+        wide = torch.promote_types(dtype, torch.float32)  # the angles' gradient, as the product, at least float32
+        grad_angles = rotated[0].new_empty(*rotated[0].shape[:-1], num_pairs, dtype=wide) if want_theta else None
         shape = terms[0][2].shape
         for tokens, angles in angle_blocks(positions, theta, axis, dtype, shape, RotateQueriesAndKeys.BLOCK_ELEMENTS):
             inverse = unit_factors(-angles, dtype)  # the rotation is orthogonal: its transpose turns back
@@ -168,18 +178,19 @@ class RotateQueriesAndKeys(torch.autograd.Function):
 def rotate_queries_and_keys(q, k, positions, theta, axis, rates=None, radians=None):
     """q and k (B, H, N, m) with their feature pairs rotated by the angles position * theta (positions (B, N, A),
     theta (H, P), axis (P,) the position axis of each pair; ``rates`` and ``radians``: theta's ``turn_rates`` and
-    ``radian_rates`` where the caller keeps them): through ``RotateQueriesAndKeys`` where complex kernels apply
-    (float32, float64) and a gradient is wanted, ``rotate_few`` for a decoding step's few angles, else in the real
-    form."""
-    if q.dtype in (torch.float32, torch.float64) and k.dtype == q.dtype:
-        if wants_gradient(q, k, theta):
-            return RotateQueriesAndKeys.apply(q, k, positions, theta, axis)
-        if few_angles(positions, theta):
-            return rotate_few(q, k, positions, theta, axis, radians)
-        return rotate_by_angles(q, k, unit_angles(positions, theta, axis, q.dtype, rates))
-    angles = unit_angles(positions, theta, axis, q.dtype, rates)
-    cos, sin = angles.cos().to(q.dtype), angles.sin().to(q.dtype)
-    return rotate_pairs(q, cos, sin), rotate_pairs(k, cos, sin)
+    ``radian_rates`` where the caller keeps them): through ``RotateQueriesAndKeys`` where a gradient is wanted,
+    ``rotate_few`` for a decoding step's few angles, else ``rotate_by_angles``, all as complex products (half
+    precision in float32, rounded once); in the real form (``rotate_pairs``) for half precision under
+    ``torch.compile`` and for q and k of different dtypes."""
+    if k.dtype != q.dtype or q.dtype not in COMPLEX_READY and torch.compiler.is_compiling():
+        angles = unit_angles(positions, theta, axis, q.dtype, rates)
+        cos, sin = angles.cos().to(q.dtype), angles.sin().to(q.dtype)
+        return rotate_pairs(q, cos, sin), rotate_pairs(k, cos, sin)
+    if wants_gradient(q, k, theta):
+        return RotateQueriesAndKeys.apply(q, k, positions, theta, axis)
+    if few_angles(positions, theta):
+        return rotate_few(q, k, positions, theta, axis, radians)
+    return rotate_by_angles(q, k, unit_angles(positions, theta, axis, q.dtype, rates))
 
 
 def rotary_frequencies(num_units: int, base: float, position_dims: int) -> torch.Tensor:
