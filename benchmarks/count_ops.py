@@ -101,6 +101,7 @@ import functools
 import importlib.util
 import logging
 import math
+import sys
 from pathlib import Path
 
 import torch
@@ -735,27 +736,30 @@ def gpu_dropout():
 
 
 @contextlib.contextmanager
-def kept_triangles(fake_mode):
-    """In a shape-only run (``fake_mode``), the chunked prefix sums' triangles of ones as fakes of the real ones
-    that ``products_chunked.triangle_of_ones`` keeps: a real step reads them made once, so a fake one must not
-    make them either (their ``ones`` and ``tril_`` would count as launches and bytes a real step does not have)."""
+def kept_as_fakes(fake_mode):
+    """In a shape-only run (``fake_mode``), the constant tensors the layers keep (``kept_tensors.kept_tensor``: the
+    prefix sums' triangles of ones, the rotations' unit modulus) as fakes of the real ones: a real step reads them
+    made once, so a fake one must not make them either (their ops would count as launches and bytes a real step
+    does not have). Patched where the modules imported it; restored on exit."""
     from torch.utils._python_dispatch import _disable_current_modes
 
-    from lrpe_hf.modeling import products_chunked
+    from lrpe_hf.modeling import kept_tensors
 
-    original = products_chunked.triangle_of_ones
+    original = kept_tensors.kept_tensor
 
-    def fake_of_the_kept(chunk_size, like, upper):
+    def fake_of_the_kept(name, like, make):
         with _disable_current_modes():  # neither fake nor recorded: made (once) as a real step would have
-            kept = original(chunk_size, torch.empty(0, dtype=like.dtype, device=like.device), upper)
+            kept = original(name, torch.empty(0, dtype=like.dtype, device=like.device), make)
         return fake_mode.from_tensor(kept)
 
-    if fake_mode is not None:
-        products_chunked.triangle_of_ones = fake_of_the_kept
+    users = [m for m in list(sys.modules.values()) if getattr(m, "kept_tensor", None) is original]
+    for module in users if fake_mode is not None else []:
+        module.kept_tensor = fake_of_the_kept
     try:
         yield
     finally:
-        products_chunked.triangle_of_ones = original
+        for module in users:
+            module.kept_tensor = original
 
 
 def layer_ops(name: str, tokens: int, size=SIZE, fake: bool = True) -> tuple[list, list]:
@@ -769,7 +773,7 @@ def layer_ops(name: str, tokens: int, size=SIZE, fake: bool = True) -> tuple[lis
     STAND_IN_CALLS.clear()
     kernels = None if name == GPT2 else shape_kernels()
     mode = FakeTensorMode() if fake else contextlib.nullcontext()
-    with mode, kept_triangles(mode if fake else None), one_block(), fla_path(kernels), gpu_dropout():
+    with mode, kept_as_fakes(mode if fake else None), one_block(), fla_path(kernels), gpu_dropout():
         model = build(name, 1, tokens, size)
         layer = model.transformer.h[0] if name == GPT2 else model.model.stack.layers[0]
         layer.train()

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from lrpe_hf.modeling import attention_kernels, feature_maps, products_shared
+from lrpe_hf.modeling import attention_kernels, feature_maps, products_chunked, products_shared
 from lrpe_hf.modeling.attention_kernels import bidirectional_linear_attention, causal_linear_attention
 from lrpe_hf.modeling.feature_maps import EluFeatureMap, ReluFeatureMap
 from lrpe_hf.modeling.kernel_attention import DivideByDenominator, nonzero
@@ -171,24 +171,32 @@ def test_chunk_prefix_sums_equal_cumsum(reverse):
     torch.testing.assert_close(chunk_prefix_sums(x, 4, reverse), expected)
 
 
-def test_the_kept_triangles_of_ones_serve_training_after_inference_mode_and_fake_runs():
-    """The prefix sums' C x C triangles are made once and kept: one first made under ``inference_mode`` still lets
-    a later training step save it for backward, and a shape-only (fake) run neither keeps a fake one nor breaks
-    the next real call."""
+def test_kept_constants_serve_training_after_inference_mode_and_never_meet_fake_tensors():
+    """The prefix sums' C x C triangles and the rotations' unit modulus are made once and kept: one first made under
+    ``inference_mode`` is kept as a normal tensor (a later training step saves it for backward) and reused there
+    (no new one per call); a shape-only (fake) run after a real one gets fakes, never the kept real tensor (which
+    it would refuse), and keeps none of its own."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from lrpe_hf.modeling import products_chunked
+    from lrpe_hf.modeling import kept_tensors
+    from lrpe_hf.modeling.positional_rope import polar_one
 
-    products_chunked._TRIANGLES.clear()
+    kept_tensors._KEPT.clear()
     with torch.inference_mode():
-        products_chunked.triangle_of_ones(8, torch.empty(0, dtype=torch.float64), upper=False)
-    with FakeTensorMode() as mode:
-        chunk_prefix_sums(mode.from_tensor(torch.randn(2, 16, 3)), 8, reverse=True)
-    assert all(type(t) is torch.Tensor and not t.is_inference() for t in products_chunked._TRIANGLES.values())
+        lower = products_chunked.triangle_of_ones(8, torch.empty(0, dtype=torch.float64), upper=False)
+        assert products_chunked.triangle_of_ones(8, torch.empty(0, dtype=torch.float64), upper=False) is lower
+        polar_one(torch.zeros(3))
+    assert len(kept_tensors._KEPT) == 2 and not any(t.is_inference() for t in kept_tensors._KEPT.values())
     x = torch.randn(2, 16, 3, dtype=torch.float64, requires_grad=True)
     weights = torch.randn(2, 16, 3, dtype=torch.float64)
     (grad,) = torch.autograd.grad((chunk_prefix_sums(x, 8) * weights).sum(), x)
     torch.testing.assert_close(grad, weights.flip(1).cumsum(1).flip(1))  # d/dx_t of sum_s w_s sum_{t<=s} x_t
+    chunk_prefix_sums(x.detach().float(), 8, reverse=True)  # real triangles of the fake run's kind, kept first
+    kept = dict(kept_tensors._KEPT)
+    with FakeTensorMode() as mode:
+        sums = chunk_prefix_sums(mode.from_tensor(torch.randn(2, 16, 3)), 8, reverse=True)
+        angles = polar_one(mode.from_tensor(torch.zeros(3)))
+    assert sums.shape == (2, 16, 3) and angles.shape == (3,) and kept_tensors._KEPT == kept
     torch.testing.assert_close(products_chunked.triangle_of_ones(8, x, upper=True), torch.ones(8, 8).triu().double())
 
 

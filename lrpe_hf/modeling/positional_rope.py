@@ -8,6 +8,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from .gradients import wants_gradient
+from .kept_tensors import kept_tensor
 from .positional_encoding import (
     CachedRates,
     PositionalEncoding,
@@ -76,18 +77,12 @@ def multiply_pairs(x: torch.Tensor, factor: torch.Tensor, out: torch.Tensor | No
 
 
 FEW_ANGLES = 1 << 12  # below this (a decoding step), exp(i angle) takes one op (polar), not three
-_ONES = {}  # a 0-dim one per (dtype, device): polar's modulus
 
 
 def polar_one(angles: torch.Tensor) -> torch.Tensor:
-    """exp(i angles) by one op (``torch.polar``), complex of ``angles``' precision. The modulus, a 0-dim one, is made
-    once per dtype and device (kept only as a plain tensor: not a fake one of a shape-only run)."""
-    key = (angles.dtype, angles.device)
-    one = _ONES.get(key)
-    if one is None:
-        one = torch.ones((), dtype=angles.dtype, device=angles.device)
-        if type(one) is torch.Tensor and not one.is_inference():
-            _ONES[key] = one
+    """exp(i angles) by one op (``torch.polar``), complex of ``angles``' precision; its modulus, a 0-dim one, is
+    made once per dtype and device (``kept_tensor``)."""
+    one = kept_tensor("one", angles, lambda: torch.ones((), dtype=angles.dtype, device=angles.device))
     return torch.polar(one, angles)
 
 
@@ -101,9 +96,9 @@ def unit_factors(angles: torch.Tensor, dtype) -> torch.Tensor:
 
 
 def few_angles(positions: torch.Tensor, theta: torch.Tensor) -> bool:
-    """Whether the rotation of these positions has few angles (a decoding step's), outside compilation."""
-    rows = distinct_rows(positions)
-    return rows.shape[0] * rows.shape[1] * theta.numel() < FEW_ANGLES and not torch.compiler.is_compiling()
+    """Whether the rotation of these positions (B, N, A) has few angles (a decoding step's), outside compilation:
+    counted for every row (no host read to find the distinct ones)."""
+    return positions.shape[0] * positions.shape[1] * theta.numel() < FEW_ANGLES and not torch.compiler.is_compiling()
 
 
 def rotate_few(q, k, positions, theta, axis, radians=None):

@@ -12,6 +12,7 @@ import torch
 from torch.autograd.function import once_differentiable
 from torch.nn import functional as F
 
+from .kept_tensors import kept_tensor
 from .products_shared import Scratch, batch_head_blocks, block_of, chunk_length, chunks_of, heads_first, product_dtype
 
 
@@ -308,27 +309,15 @@ class ChunkedCausalProduct(torch.autograd.Function):
         return block.new_empty(block.shape, dtype=dtype).view(-1, chunk_size, block.shape[-1])
 
 
-_TRIANGLES = {}  # (C, dtype, device, upper) -> a C x C triangle of ones, made once
-
-
 def triangle_of_ones(chunk_size: int, like: torch.Tensor, upper: bool) -> torch.Tensor:
-    """The C x C lower (or ``upper``) triangle of ones, inclusive, in ``like``'s dtype and device: made once per
-    kind and kept (two kernel launches fewer per prefix sum on a GPU). Made afresh while compiling (the compiler
-    folds it into the product) and where it comes out as anything but a plain tensor (a fake tensor of a
-    shape-only run); kept as a normal tensor even when first made under ``torch.inference_mode``, so that a
-    later training step may save it for backward."""
-    if torch.compiler.is_compiling():
+    """The C x C lower (or ``upper``) triangle of ones, inclusive, in ``like``'s dtype and device, made once per
+    kind (``kept_tensor``): two kernel launches fewer per prefix sum on a GPU."""
+
+    def make():
         ones = torch.ones(chunk_size, chunk_size, dtype=like.dtype, device=like.device)
         return ones.triu() if upper else ones.tril()
-    key = (chunk_size, like.dtype, like.device, upper)
-    triangle = _TRIANGLES.get(key)
-    if triangle is None:
-        with torch.inference_mode(False):
-            ones = torch.ones(chunk_size, chunk_size, dtype=like.dtype, device=like.device)
-            triangle = ones.triu_() if upper else ones.tril_()
-        if type(triangle) is torch.Tensor:
-            _TRIANGLES[key] = triangle
-    return triangle
+
+    return kept_tensor(f"triangle {chunk_size} {'upper' if upper else 'lower'}", like, make)
 
 
 def chunk_prefix_sums(x, chunk_size: int, reverse: bool = False):
