@@ -119,6 +119,16 @@ class CachedRates:
         return self.seen[2]
 
 
+def unit_coordinates(positions: torch.Tensor, axis: torch.Tensor) -> torch.Tensor:
+    """The integer position that drives each unit, (B', 1, N, U) (B' from distinct_rows; in 1D (B', 1, N, 1), the one
+    axis broadcasting over the units): what the frequencies multiply (a product with float64 converts the integers
+    exactly)."""
+    coordinates = distinct_rows(positions)  # (B', N, A)
+    if coordinates.shape[-1] > 1:
+        coordinates = coordinates[..., axis]  # (B', N, U)
+    return coordinates[:, None]
+
+
 def unit_angles(positions: torch.Tensor, frequencies: torch.Tensor, axis: torch.Tensor, dtype, rates=None):
     """position * frequency for every (head, unit), reduced to less than one turn: (B', H, N, U), B' from
     distinct_rows; negative where position * frequency is.
@@ -128,10 +138,7 @@ def unit_angles(positions: torch.Tensor, frequencies: torch.Tensor, axis: torch.
     returned in ``dtype`` (at least float32). (The fractional part of the turns took a quarter of the time of
     ``torch.remainder`` by 2 pi on a CPU.)
     """
-    coordinates = distinct_rows(positions)  # (B', N, A) integers: the product with float64 converts them exactly
-    if coordinates.shape[-1] > 1:
-        coordinates = coordinates[..., axis]  # (B', N, U); in 1D the one axis broadcasts over the units
-    turns = (coordinates[:, None] * (turn_rates(frequencies) if rates is None else rates)).frac_()
+    turns = (unit_coordinates(positions, axis) * (turn_rates(frequencies) if rates is None else rates)).frac_()
     dtype = torch.promote_types(dtype, torch.float32)
     if torch.compiler.is_compiling() or turns.requires_grad:  # (out= takes no gradient)
         return turns.mul_(2 * math.pi).to(dtype)

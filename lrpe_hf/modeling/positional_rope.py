@@ -14,10 +14,10 @@ from .positional_encoding import (
     PositionalEncoding,
     angle_blocks,
     axis_of_each,
-    distinct_rows,
     frequency_gradient,
     radian_rates,
     unit_angles,
+    unit_coordinates,
     units_per_axis,
 )
 
@@ -107,10 +107,8 @@ def rotate_few(q, k, positions, theta, axis, radians=None):
     product's rounding is about 10^-10 radians), exp(i angle) in complex128 by one polar, and each product rounded
     once into the features' dtype. Four ops where ``unit_angles`` and ``rotate_by_angles`` take six: the step's
     cost on a GPU is its launches. ``radians``: ``radian_rates(theta)`` where the caller keeps them."""
-    coordinates = distinct_rows(positions)  # (B', N, A)
-    if coordinates.shape[-1] > 1:
-        coordinates = coordinates[..., axis]  # (B', N, P)
-    factor = polar_one(coordinates[:, None] * (radian_rates(theta) if radians is None else radians))  # (B', H, N, P)
+    radians = radian_rates(theta) if radians is None else radians
+    factor = polar_one(unit_coordinates(positions, axis) * radians)  # (B', H, N, P)
     return tuple(multiply_pairs(x, factor, out=torch.empty_like(x)) for x in (q, k))
 
 

@@ -152,11 +152,9 @@ def fla_product(kernels, q, k, v, gates, initial_state, resets, m: int):
     chunked, one_step = kernels
     dv = v.shape[-1]
     v = even_width(v).transpose(1, 2)  # (B, N, H, dv'), dv' even
-    padding = (0, v.shape[-1] - dv, 0, q.shape[-1] - m)
-    if initial_state is not None and any(padding):  # zero rows and columns for the padding
-        initial_state = F.pad(initial_state.float(), padding)
-    elif initial_state is not None:  # as it is where it is laid out as fla reads it (a copy costs a launch a step)
-        initial_state = initial_state.float().contiguous()
+    padding = (0, v.shape[-1] - dv, 0, q.shape[-1] - m)  # zero rows and columns for odd widths
+    if initial_state is not None:  # fla only reads it: padded, or as it is (a copy would cost a launch a step)
+        initial_state = F.pad(initial_state.float(), padding) if any(padding) else initial_state.float().contiguous()
     if resets is None:
         kernel = one_step if q.shape[1] == 1 else chunked
         out, final = kernel(q, k, v, **gates, scale=1.0, initial_state=initial_state, output_final_state=True)
