@@ -103,6 +103,28 @@ def test_beam_search_scores_match_a_full_forward():
     torch.testing.assert_close(out.sequences_scores[0], expected, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("encoding", lrpe_hf.POSITIONAL_ENCODINGS)
+def test_decoding_under_inference_mode_equals_decoding_under_no_grad(encoding):
+    """inference_mode tracks no views: a state first stored from a view (the positions' last column, expanded
+    over the batch) must still be a tensor of its own, which later steps overwrite in place."""
+    model = model_with(encoding)
+    ids = prompt(batch=2, tokens=6)
+    mask = torch.ones(2, 6, dtype=torch.long)
+    mask[1, :2] = 0  # a left-padded row
+
+    def decode(context):
+        cache, tokens, logits = LinearAttentionCache(model.config.num_hidden_layers), ids, []
+        with context():
+            for step in range(4):
+                step_mask = torch.cat([mask, torch.ones(2, step, dtype=torch.long)], dim=1)
+                out = model(tokens, attention_mask=step_mask, past_key_values=cache, use_cache=True).logits[:, -1:]
+                logits.append(out.clone())
+                tokens = out.argmax(-1)
+        return torch.cat(logits, dim=1)
+
+    torch.testing.assert_close(decode(torch.inference_mode), decode(torch.no_grad), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("encoding", ["lrpe_orthogonal", "permute", "spe_sine"])
 def test_state_size_does_not_grow_with_context(encoding):
     model = model_with(encoding)
@@ -336,3 +358,25 @@ def test_a_generation_step_that_lost_its_cache_raises(handover, monkeypatch):
     monkeypatch.setattr(GenerationMixin, "prepare_inputs_for_generation", moved_cache)
     with pytest.raises(RuntimeError, match="without the cache"):
         model_with().generate(prompt(batch=1), max_new_tokens=3, do_sample=False)
+
+
+@pytest.mark.parametrize("encoding", lrpe_hf.POSITIONAL_ENCODINGS)
+def test_training_after_inference_mode_decoding_works_and_matches_a_fresh_model(encoding):
+    """Values an encoding caches for evaluation (normalised vectors, rates, decays, noise) made under
+    inference_mode would be inference tensors, which a later training step cannot save for backward."""
+    model, fresh = model_with(encoding), model_with(encoding)
+    ids = prompt(batch=2, tokens=6)
+    with torch.inference_mode():
+        cache = LinearAttentionCache(model.config.num_hidden_layers)
+        model(ids, past_key_values=cache, use_cache=True)
+        model(ids[:, :1], past_key_values=cache, use_cache=True)
+    losses = []
+    for m in (model, fresh):
+        m.train()
+        torch.manual_seed(1)  # the same training-mode draws (SPE's noise)
+        loss = m(ids, labels=ids).loss
+        loss.backward()
+        losses.append(loss.detach())
+    torch.testing.assert_close(losses[0], losses[1], rtol=0, atol=0)
+    for (name, p), q in zip(model.named_parameters(), fresh.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-7, msg=name)

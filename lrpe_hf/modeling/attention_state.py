@@ -20,7 +20,7 @@ class TensorState:
     def store(self, name: str, value: torch.Tensor | None):
         """Set the field ``name`` to ``value``, in place where the field already holds a tensor of its shape,
         dtype and device and autograd tracks neither; otherwise anew (the first call, a batch that changed size,
-        training), then as a copy if ``value`` views another tensor (a later write in place must not reach it),
+        training), then as a copy if ``value`` may view another tensor (a later write in place must not reach it),
         marked as a static address for compilers."""
         current = getattr(self, name)
         if value is current:  # updated in place already
@@ -38,7 +38,8 @@ class TensorState:
         ):
             current.copy_(value)
         else:
-            value = value.clone() if value._base is not None else value
+            # torch.inference_mode tracks no views (``_base`` is None there), so what it made is copied too
+            value = value.clone() if value._base is not None or torch.is_inference_mode_enabled() else value
             if not torch.compiler.is_compiling():
                 torch._dynamo.mark_static_address(value)
             setattr(self, name, value)

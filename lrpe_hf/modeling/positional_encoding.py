@@ -115,7 +115,8 @@ class CachedRates:
             return None
         version = version_of(frequencies)
         if self.seen is None or self.seen[0] is not frequencies or version is None or self.seen[1] != version:
-            self.seen = frequencies, version, self.convert(frequencies)
+            with torch.inference_mode(False):  # a training step may save it for backward
+                self.seen = frequencies, version, self.convert(frequencies)
         return self.seen[2]
 
 

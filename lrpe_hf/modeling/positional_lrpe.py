@@ -58,7 +58,8 @@ class HouseholderReflection(Reinitialisable):
             return F.normalize(vector, dim=-1, eps=1e-6)
         seen, version = getattr(self, "_unit_of", None), version_of(vector)
         if seen is None or seen[0] is not vector or version is None or seen[1] != version:
-            self._unit = F.normalize(vector, dim=-1, eps=1e-6)
+            with torch.inference_mode(False):  # a training step may save it for backward
+                self._unit = F.normalize(vector, dim=-1, eps=1e-6)
             self._unit_of = vector, version
         return self._unit
 
