@@ -150,3 +150,22 @@ def test_decode_latency_benchmark_writes_its_table_and_record(tmp_path):
     assert float(rows[1]["low"]) <= float(rows[1]["over_gpt2"]) <= float(rows[1]["high"])
     record = json.loads((tmp_path / "decode_latency.json").read_text())
     assert record["written_by"] == "benchmarks/decode_latency.py" and record["files"] == ["decode_latency.csv"]
+
+
+def test_one_row_products_times_both_layouts_of_the_same_shapes_and_writes_its_record(tmp_path):
+    sys.path.insert(0, str(BENCHMARKS))
+    one_row_products = importlib.import_module("one_row_products")
+    for column_major in (False, True):
+        weights = one_row_products.stack_weights(torch.float32, column_major, hidden=8, ffn=16, layers=2)
+        assert [w.shape for w, _ in weights] == [(8, 8)] * 4 + [(16, 8), (8, 16)] + [(8, 8)] * 4 + [(16, 8), (8, 16)]
+        assert all(w.t().is_contiguous() == column_major and w.is_contiguous() != column_major for w, _ in weights)
+    command = [sys.executable, str(BENCHMARKS / "one_row_products.py"), "--dtypes", "float32", "--rows", "1"]
+    command += ["--rounds", "2", "--repeats", "1", "--out", str(tmp_path)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    with open(tmp_path / "one_row_products.csv") as f:
+        (row,) = list(csv.DictReader(f))
+    assert (row["dtype"], row["rows"], row["rounds"]) == ("float32", "1", "2")
+    assert float(row["low"]) <= float(row["ratio"]) <= float(row["high"])
+    record = json.loads((tmp_path / "one_row_products.json").read_text())
+    assert record["written_by"] == "benchmarks/one_row_products.py" and record["files"] == ["one_row_products.csv"]

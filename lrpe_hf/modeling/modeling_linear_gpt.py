@@ -29,6 +29,7 @@ from .positions import (
 )
 from .transformer_layer import Dropout
 from .transformer_stack import LinearPreTrainedModel, LinearTransformerStack, check_single_segment
+from .weight_layout import lay_out_for_one_row_products
 
 
 class LinearGPTPreTrainedModel(LinearPreTrainedModel):
@@ -55,10 +56,19 @@ class LinearGPTModel(LinearGPTPreTrainedModel):
         self.dropout = Dropout(config.hidden_dropout_prob)
         self.stack = LinearTransformerStack(config, pre_norm=True)
         self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.decoding_layout = None  # the (device, dtype) the stack's weights were last laid out for
         self.post_init()
 
     def get_input_embeddings(self):
         return self.embed_tokens
+
+    def lay_out_for_decoding(self):
+        """Lays the stack's projection weights out for one-row products on their device and dtype
+        (``weight_layout``), once per device and dtype the model is on."""
+        weight = self.embed_tokens.weight
+        if self.decoding_layout != (weight.device, weight.dtype):
+            lay_out_for_one_row_products(self.stack)
+            self.decoding_layout = (weight.device, weight.dtype)
 
     def set_input_embeddings(self, value):
         self.embed_tokens = value
@@ -117,6 +127,9 @@ class LinearGPTModel(LinearGPTPreTrainedModel):
         else:
             past = None if torch.compiler.is_compiling() else cache.seen_tokens
         real_past = cache.states[0].num_tokens if cache is not None else None  # (B,) real tokens seen per row
+        decoding = cache is not None and past is not None and past > 0 and not torch.is_grad_enabled()
+        if decoding:  # eager steps after a prefill (a compiled step keeps the layout its graph was made for)
+            self.lay_out_for_decoding()
         mask = mask_as_bool(attention_mask, batch_size, num_tokens, past)
         if past is None:
             check_mask_against_cache(attention_mask, num_tokens, real_past)

@@ -1,0 +1,108 @@
+"""One-row products on row-major and column-major weights: the rule ``lrpe_hf.modeling.weight_layout`` follows.
+
+A decoding step multiplies one row per sequence by each projection weight (out, in). This times the products of one
+LinearGPT stack of ``benchmark_models.py``'s size (6 layers x q, k, v, o (512 x 512), fc1 (2,048 x 512) and fc2
+(512 x 2,048), ``F.linear`` with bias), the weights stored row-major (as ``nn.Linear`` makes them) and column-major
+(as a decoding step lays them out in float32 on a CPU), per dtype and number of rows, the two layouts taking turns
+in every round. Each round's column-major time over its row-major time is one paired sample: the geometric mean
+with its 95% interval (``lrpe_hf.training.verdicts.paired_test``) and the verdict *faster* / *slower* /
+*inconclusive* for column-major.
+
+Writes ``one_row_products.csv`` and its record ``one_row_products.json`` to ``--out`` and prints the table.
+
+    OMP_NUM_THREADS=1 python benchmarks/one_row_products.py --threads 1 --out docs/data/benchmarks/one_row_products
+"""
+
+import argparse
+import csv
+import math
+import statistics
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from benchmark_models import SIZE
+from measure import sample_alternately, write_provenance
+
+from lrpe_hf.training.verdicts import paired_test
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+FIELDS = ["dtype", "rows", "rounds", "row_major_ms", "column_major_ms", "ratio", "low", "high", "p_value", "verdict"]
+
+
+def stack_weights(dtype, column_major: bool, hidden: int, ffn: int, layers: int):
+    """Every (weight (out, in), bias (out,)) of the stack, the weights in the given layout."""
+    shapes = [(hidden, hidden)] * 4 + [(ffn, hidden), (hidden, ffn)]
+    weights = []
+    for _ in range(layers):
+        for out_features, in_features in shapes:
+            weight = torch.randn(out_features, in_features, dtype=dtype) / math.sqrt(in_features)
+            weight = weight.t().contiguous().t() if column_major else weight
+            weights.append((weight, torch.randn(out_features, dtype=dtype)))
+    return weights
+
+
+def products(weights, inputs):
+    """The stack's products of ``inputs`` ({in_features: (rows, in)}) in order."""
+
+    def run():
+        for weight, bias in weights:
+            F.linear(inputs[weight.shape[1]], weight, bias)
+
+    return run
+
+
+def measure(dtype_name: str, rows: int, rounds: int, repeats: int) -> dict:
+    dtype = DTYPES[dtype_name]
+    hidden, ffn, layers = SIZE["hidden"], SIZE["ffn"], SIZE["layers"]
+    inputs = {n: torch.randn(rows, n, dtype=dtype) for n in (hidden, ffn)}
+    runs = [products(stack_weights(dtype, layout, hidden, ffn, layers), inputs) for layout in (False, True)]
+
+    def repeated(run):
+        def many():
+            for _ in range(repeats):
+                run()
+
+        return many
+
+    row_major, column_major = (
+        [ms / repeats for ms in samples] for samples in sample_alternately([repeated(r) for r in runs], "cpu", rounds)
+    )
+    test = paired_test([math.log(c / r) for c, r in zip(column_major, row_major)])
+    verdict = "faster" if test.high < 0 else "slower" if test.low > 0 else "inconclusive"
+    return dict(
+        dtype=dtype_name, rows=rows, rounds=rounds,
+        row_major_ms=round(statistics.median(row_major), 4), column_major_ms=round(statistics.median(column_major), 4),
+        ratio=round(math.exp(test.mean), 4), low=round(math.exp(test.low), 4), high=round(math.exp(test.high), 4),
+        p_value=f"{test.p_value:.2g}", verdict=verdict,
+    )  # fmt: skip
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
+    parser.add_argument("--rows", nargs="+", type=int, default=[1, 256], help="rows per product")
+    parser.add_argument("--rounds", type=int, default=20, help="paired rounds (each layout once per round)")
+    parser.add_argument("--repeats", type=int, default=5, help="passes over the stack per timed sample")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "one_row_products")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.rounds < 2:
+        parser.error(f"--rounds must be at least 2 for an interval, got {args.rounds}")
+    torch.manual_seed(0)
+    rows = [measure(dtype, n, args.rounds, args.repeats) for dtype in args.dtypes for n in args.rows]
+    args.out.mkdir(parents=True, exist_ok=True)
+    with open(args.out / "one_row_products.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=FIELDS)
+        writer.writeheader()
+        writer.writerows(rows)
+    write_provenance(args.out / "one_row_products.json", "cpu", files=["one_row_products.csv"])
+    print("| " + " | ".join(FIELDS) + " |")
+    for row in rows:
+        print("| " + " | ".join(str(row[field]) for field in FIELDS) + " |")
+
+
+if __name__ == "__main__":
+    main()
