@@ -81,7 +81,9 @@ def measure(dtype_name: str, rows: int, rounds: int, repeats: int) -> dict:
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
-    parser.add_argument("--rows", nargs="+", type=int, default=[1, 256], help="rows per product")
+    parser.add_argument(
+        "--rows", nargs="+", type=int, default=[1, 16], help="rows per product (a batch of decoding steps)"
+    )
     parser.add_argument("--rounds", type=int, default=20, help="paired rounds (each layout once per round)")
     parser.add_argument("--repeats", type=int, default=5, help="passes over the stack per timed sample")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")

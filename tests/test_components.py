@@ -791,3 +791,41 @@ def test_the_layer_lets_the_feature_map_overwrite_only_its_own_projections():
         layer(x)
         for kept, proj in zip(layer.positional_encoding.kept, (layer.q_proj, layer.k_proj)):
             torch.testing.assert_close(kept, 2 * layer.split_heads(proj(x)))
+
+
+@pytest.mark.parametrize("encoding", ["none", "rope", "lrpe_orthogonal", "lrpe_unitary"])
+def test_a_decoding_step_with_queries_and_keys_stacked_equals_the_step_with_them_apart(encoding, monkeypatch):
+    """The encodings that transform q and k as one tensor in a decoding step (``encode_stacked``) give what their
+    ``encode_features`` gives (a left-padded row included); one that does not override it is never handed one."""
+    from lrpe_hf import LinearAttentionCache, LinearGPTConfig, LinearGPTForCausalLM
+    from lrpe_hf.modeling.kernel_attention import KernelAttention
+
+    config = LinearGPTConfig(
+        vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        positional_encoding=encoding, hidden_dropout_prob=0.0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = LinearGPTForCausalLM(config).eval()
+    ids = torch.randint(3, 50, (2, 7), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[1, :3] = 0
+    original, taken = KernelAttention.stacks, []
+
+    def spy(self, q, k, encoding):
+        taken.append(original(self, q, k, encoding))
+        return taken[-1]
+
+    def steps():
+        cache = LinearAttentionCache(config.num_hidden_layers)
+        with torch.no_grad():
+            model(ids, attention_mask=mask[:, :7], past_key_values=cache, use_cache=True)
+            first = model(ids[:, -1:], attention_mask=mask[:, :8], past_key_values=cache, use_cache=True).logits
+            second = model(ids[:, -2:-1], attention_mask=mask, past_key_values=cache, use_cache=True).logits
+        return torch.cat([first, second], dim=1)
+
+    monkeypatch.setattr(KernelAttention, "stacks", spy)
+    stacked = steps()
+    stacks = model.model.stack.layers[0].self_attn.positional_encoding.stacks_features
+    assert taken and any(taken) == stacks and stacks == (encoding != "lrpe_unitary")
+    monkeypatch.setattr(KernelAttention, "stacks", lambda self, q, k, encoding: False)
+    torch.testing.assert_close(stacked, steps(), rtol=1e-6, atol=1e-6)

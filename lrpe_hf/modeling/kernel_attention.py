@@ -25,9 +25,11 @@ from torch import nn
 
 from .attention_kernels import bidirectional_linear_attention, causal_linear_attention
 from .attention_state import TensorState
+from .feature_maps import FEW_ELEMENTS, FeatureMap, Features
 from .gradients import wants_gradient
 from .products_chunked import causal_key_sums
 from .products_shared import divide_rows
+from .products_triton import on_kernel_device
 from .registry import build_feature_map
 
 
@@ -124,7 +126,11 @@ class KernelAttention(nn.Module):
         ``reuse_inputs``: q and k are the caller's temporaries, which the feature map may overwrite."""
         key_max = state.key_max if state else None
         local_documents = None if starts is None else starts.long().cumsum(-1)
-        features = self.feature_map.features(q, k, mask, self.causal, key_max, local_documents, reuse_inputs)
+        if self.stacks(q, k, encoding):
+            features, (tq, tk) = self.stacked_features(q, k, mask, positions, encoding)
+        else:
+            features = self.feature_map.features(q, k, mask, self.causal, key_max, local_documents, reuse_inputs)
+            tq, tk = encoding.encode_features(features.query, features.key, positions)
         gates = features.log_gates
         log_decay = encoding.log_decay
         if log_decay is not None and not self.causal:
@@ -132,7 +138,6 @@ class KernelAttention(nn.Module):
         decay = self.decay_gates(log_decay, position_steps, q.dtype)
         if decay is not None:
             gates = decay if gates is None else gates + decay
-        tq, tk = encoding.encode_features(features.query, features.key, positions)
         with_denominator = self.normalization == "denominator"
         # without a stabiliser or a gradient, the causal product divides by the denominator as it goes
         divided = self.causal and with_denominator and features.log_scale is None
@@ -173,6 +178,33 @@ class KernelAttention(nn.Module):
         log_peak = peak.to(features.log_scale.dtype).clamp_min(torch.finfo(peak.dtype).tiny).log()
         mean_square = unit.pow(2).mean(-1, keepdim=True) + self.eps * torch.exp(-2 * (features.log_scale + log_peak))
         return (unit / nonzero(mean_square.sqrt())).to(out.dtype) * self.output_norm.weight.to(out.dtype)
+
+    def stacks(self, q, k, encoding) -> bool:
+        """Whether q and k go through the feature map and the encoding as one tensor (``stacked_features``): for
+        a decoding step's few elements without gradient, where the map treats queries and keys alike (the base
+        ``features``) and the encoding can (``stacks_features``). Not while compiling, where the compiler fuses,
+        nor where the product may take fla's kernels, which would copy each half into a layout of its own."""
+        return (
+            q.numel() < FEW_ELEMENTS
+            and (self.kernel_backend == "torch" or not on_kernel_device(q))
+            and q.shape == k.shape
+            and q.dtype == k.dtype
+            and encoding.stacks_features
+            and type(self.feature_map).features is FeatureMap.features
+            and not torch.compiler.is_compiling()
+            and not wants_gradient(q, k)
+        )
+
+    def stacked_features(self, q, k, mask, positions, encoding):
+        """``Features`` of q and k (B, H, N, D) and their encoded forms, the two stacked along the tokens
+        (B, H, 2N, m) for the map and the encoding: one op each where two would be, for one concatenation (on a
+        GPU a decoding step's cost is its launches). Returns the features and the encoded (tq, tk), views."""
+        N = q.shape[2]
+        x = self.feature_map.in_place(torch.cat((q, k), dim=2))
+        if mask is not None:
+            x[:, :, N:].masked_fill_(~mask[:, None, :, None], 0.0)  # padded keys add nothing
+        encoded = encoding.encode_stacked(x, positions)
+        return Features(x[:, :, :N], x[:, :, N:]), (encoded[:, :, :N], encoded[:, :, N:])
 
     def layer_norm_over_heads(self, out, log_scale):
         """LayerNorm over the concatenated heads: out (B, H, N, d) -> (B, H, N, d). With stabilised features each

@@ -235,6 +235,9 @@ class LRPEOrthogonal(PositionalEncoding):
     def encode_features(self, q, k, positions):
         return self.rotation.encode_features(*apply_p(self.p, q, k), positions)
 
+    def encode_stacked(self, x, positions):
+        return self.rotation.encode_stacked(self.p(x), positions)  # P acts on each token alike
+
 
 class LRPEPermutation(PositionalEncoding):
     """Type 3 (eq. 24): Lambda(s) = P_pi^s, a fixed random permutation pi per head."""

@@ -107,9 +107,24 @@ def rotate_few(q, k, positions, theta, axis, radians=None):
     product's rounding is about 10^-10 radians), exp(i angle) in complex128 by one polar, and each product rounded
     once into the features' dtype. Four ops where ``unit_angles`` and ``rotate_by_angles`` take six: the step's
     cost on a GPU is its launches. ``radians``: ``radian_rates(theta)`` where the caller keeps them."""
-    radians = radian_rates(theta) if radians is None else radians
-    factor = polar_one(unit_coordinates(positions, axis) * radians)  # (B', H, N, P)
+    factor = few_factors(positions, theta, axis, radians)
     return tuple(multiply_pairs(x, factor, out=torch.empty_like(x)) for x in (q, k))
+
+
+def rotate_stacked_few(x, positions, theta, axis, radians=None):
+    """``rotate_few`` of q and k stacked along the tokens, x (B, H, 2N, m) (queries first, then keys at the same
+    positions): one product for both."""
+    factor = few_factors(positions, theta, axis, radians)[:, :, None]  # (B', H, 1, N, P): the same for q and k
+    pairs = x.unflatten(2, (2, -1))  # (B, H, 2, N, m)
+    return multiply_pairs(pairs, factor, out=torch.empty_like(pairs)).flatten(2, 3)
+
+
+def few_factors(positions, theta, axis, radians=None):
+    """exp(i position * theta) (B', H, N, P), complex128, for a decoding step's few angles: the angles formed in
+    float64 from the radian rates (``radian_rates(theta)``, or ``radians`` where the caller keeps them) and left
+    unreduced, one ``torch.polar``."""
+    radians = radian_rates(theta) if radians is None else radians
+    return polar_one(unit_coordinates(positions, axis) * radians)
 
 
 def rotate_by_angles(q, k, angles):
@@ -216,3 +231,8 @@ class RotaryPositionalEncoding(PositionalEncoding):
         rates = self.turn_rates(self.frequencies)
         radians = self.radian_rates(self.frequencies)
         return rotate_queries_and_keys(q, k, positions, self.frequencies, self.axis, rates, radians)
+
+    def encode_stacked(self, x, positions):
+        if wants_gradient(x, self.frequencies) or not few_angles(positions, self.frequencies):
+            return super().encode_stacked(x, positions)
+        return rotate_stacked_few(x, positions, self.frequencies, self.axis, self.radian_rates(self.frequencies))
