@@ -3,9 +3,9 @@
 A decoding step multiplies one row per sequence by every projection's weight, a product that reads the whole weight
 to do little work, so its speed depends on how the weight is laid out. ``nn.Linear`` keeps its weight (out, in)
 row-major. On a CPU in float32, MKL reads the same weight stored column-major (the layout in which transformers'
-GPT-2 keeps its Conv1D weights) about 1.25x faster for one row; in bfloat16 and float16 it is the other way round
-(about 1.5x and 16x slower), and in float64 or for many rows it makes no difference.
-``benchmarks/one_row_products.py`` measures this on the machine at hand.
+GPT-2 keeps its Conv1D weights) about 1.25x faster for one row; in bfloat16 and float16 column-major is slower
+(about 1.4x and 16x for one row; float16 for many rows too), and in float64 neither is faster by much.
+``benchmarks/one_row_products.py`` measures this on the machine at hand (one CPU's MKL: another may differ).
 
 So a LinearGPT decoding step lays its stack's projection weights out for the device and dtype they are on:
 column-major for float32 on a CPU, row-major everywhere else. Only strides change: values, shapes, parameter
