@@ -2,7 +2,9 @@
 
 import pytest
 import torch
+from torch.profiler import ProfilerActivity, profile
 
+import lrpe_hf
 from lrpe_hf.modeling import attention_kernels, feature_maps, products_chunked, products_shared
 from lrpe_hf.modeling.attention_kernels import bidirectional_linear_attention, causal_linear_attention
 from lrpe_hf.modeling.feature_maps import EluFeatureMap, ReluFeatureMap
@@ -376,3 +378,64 @@ def test_decayed_running_sum_in_blocks_equals_the_step_by_step_recurrence(length
     for i in order:
         expected[:, i] += factor[:, None, None] * expected[:, i + 1 if reverse else i - 1]
     torch.testing.assert_close(decayed_running_sum_(x.clone(), factor, reverse), expected)
+
+
+HOST_READS = ("aten::_local_scalar_dense", "aten::is_nonzero", "aten::item")
+
+
+@pytest.mark.parametrize("encoding", ["none", "rope", "lrpe_orthogonal", "lrpe_unitary", "permute", "spe_sine"])
+def test_a_training_step_on_default_positions_reads_nothing_on_the_host(encoding):
+    """On a GPU a read on the host waits for every kernel queued before it. Default positions without padding need
+    none: their rows are one row expanded, and a decay by distance is the same at every token of them. (convSPE
+    reads its positions' range to size its noise, FastRPB its bias's, by design.)"""
+    torch.manual_seed(0)
+    config = lrpe_hf.LinearGPTConfig(
+        vocab_size=60, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        positional_encoding=encoding, spe_realizations=8,
+    )  # fmt: skip
+    model = lrpe_hf.LinearGPTForCausalLM(config).train()
+    ids = torch.randint(3, 60, (2, 40), generator=torch.Generator().manual_seed(0))
+    model(ids, labels=ids).loss.backward()  # caches made once are not what a step reads
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        model(ids, labels=ids).loss.backward()
+    assert not [e.name for e in prof.events() if e.name in HOST_READS]
+
+
+@pytest.mark.parametrize("with_state", [False, True])
+def test_a_decay_known_from_consecutive_positions_gives_what_the_gates_give(with_state, monkeypatch):
+    """PermuteFormer's decay over default positions is taken as known (``known_decay``) without looking at the
+    gates; the same product with the look, values and gradients, after a first call (a state) too."""
+    torch.manual_seed(0)
+    config = lrpe_hf.LinearGPTConfig(
+        vocab_size=60, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        positional_encoding="permute", chunk_size=8,
+    )  # fmt: skip
+    model = lrpe_hf.LinearGPTForCausalLM(config).eval()  # no dropout; gradients still wanted
+    ids = torch.randint(3, 60, (2, 29), generator=torch.Generator().manual_seed(1))
+    calls = []
+    original = attention_kernels.uniform_decay
+
+    def spy(log_gates, initial_state, resets, known=None):
+        calls.append(known is not None)
+        return original(log_gates, initial_state, resets, known)
+
+    def run(look):
+        monkeypatch.setattr(
+            attention_kernels, "uniform_decay", spy if not look else lambda g, i, r, known=None: original(g, i, r)
+        )
+        model.zero_grad()
+        if with_state:
+            cache = lrpe_hf.LinearAttentionCache(config.num_hidden_layers)
+            model(ids[:, :11], past_key_values=cache, use_cache=True)
+            logits = model(ids[:, 11:], past_key_values=cache, use_cache=True).logits
+        else:
+            logits = model(ids).logits
+        logits.square().mean().backward()
+        return logits.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    known_logits, known_grads = run(look=False)
+    assert calls and all(calls)
+    looked_logits, looked_grads = run(look=True)
+    torch.testing.assert_close(known_logits, looked_logits, rtol=0, atol=0)
+    for known, looked in zip(known_grads, looked_grads):
+        torch.testing.assert_close(known, looked, rtol=0, atol=0)

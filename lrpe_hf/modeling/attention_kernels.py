@@ -56,6 +56,7 @@ def causal_linear_attention(
     divide_eps: float | None = None,
     backend: str = "auto",
     update_in_place: bool = False,
+    known_decay=None,
 ):
     """q, k (B, H, N, m); v (B, H, N, dv); log_gates (B, H, N) or None; initial_state (B, H, m, dv') or None;
     chunk_size None picks ``default_chunk_size(N)``; resets (B, N) bool or None; ``with_denominator``: also the
@@ -72,6 +73,10 @@ def causal_linear_attention(
 
     ``update_in_place`` (where no gradient is wanted): a one-token step on the torch path may write the final
     state over ``initial_state`` (a decoding cache's stored state, overwritten with it anyway).
+
+    ``known_decay`` (H,): where the caller knows that ``log_gates`` hold this log decay per head at every token that
+    counts (a decay by distance over default positions without padding), ``uniform_decay`` takes it without
+    looking at the gates (on a GPU, a host sync per call).
 
     ``backend``: ``torch`` (the products below), ``triton`` (fla's kernels, ``products_triton.py``; raises where
     they cannot run) or ``auto`` (fla's kernels where they can run, torch otherwise). The chunk size is the torch
@@ -90,7 +95,7 @@ def causal_linear_attention(
         if divide_eps is not None:
             out = divide_rows(out, denominator, divide_eps, with_reciprocal=False)[0]
         return out, denominator, final
-    decay = uniform_decay(log_gates, initial_state, resets) if N > 1 else None  # one token: its gate as given
+    decay = uniform_decay(log_gates, initial_state, resets, known_decay) if N > 1 else None  # one token: its gate
     if backend == "torch":
         why_not = "the torch backend was chosen"
     else:
@@ -141,13 +146,16 @@ def causal_linear_attention(
     return out, None, final
 
 
-def uniform_decay(log_gates, initial_state, resets):
+def uniform_decay(log_gates, initial_state, resets, known=None):
     """The log decay per head (H,) when ``log_gates`` (B, H, N) hold one value <= 0 per head at every token that
     counts (the first one only with an initial state), as a decay by position over consecutive positions gives
     (PermuteFormer's): the ungated chunked product then applies it itself, much faster than the general gated
-    product. None otherwise, and for gates that want a gradient."""
+    product. None otherwise, and for gates that want a gradient. ``known`` (H,): that value where the caller
+    knows it, taken without the look at every gate (a read on the host)."""
     if log_gates is None or resets is not None or (log_gates.requires_grad and torch.is_grad_enabled()):
         return None
+    if known is not None:
+        return known.to(log_gates.dtype)
     counted = log_gates if initial_state is not None else log_gates[..., 1:]
     per_head = counted[:1, :, :1]  # (1, H, 1)
     if not bool(((counted == per_head) & (per_head <= 0)).all()):

@@ -118,12 +118,15 @@ class KernelAttention(nn.Module):
         starts=None,
         documents=None,
         reuse_inputs=False,
+        consecutive=False,
     ):
         """mask (B, N) bool or None; positions (B, N, A); state: this path's state (causal decoding) or None;
         position_steps (B, N): each real token's distance from the previous real one (0 for padding), given for an
         encoding that decays with distance; starts (B, N) bool: the tokens that start
         a new document in a packed row, or None for one document (``documents``: their running count, unused);
-        ``reuse_inputs``: q and k are the caller's temporaries, which the feature map may overwrite."""
+        ``reuse_inputs``: q and k are the caller's temporaries, which the feature map may overwrite;
+        ``consecutive``: the positions are the default ones, without padding (each token one past the one before,
+        so a decay by distance is the same at every token: nothing to look at)."""
         key_max = state.key_max if state else None
         local_documents = None if starts is None else starts.long().cumsum(-1)
         if self.stacks(q, k, encoding):
@@ -136,6 +139,7 @@ class KernelAttention(nn.Module):
         if log_decay is not None and not self.causal:
             raise ValueError(f"{type(encoding).__name__} decays with distance: it is for causal attention only")
         decay = self.decay_gates(log_decay, position_steps, q.dtype)
+        known_decay = log_decay if consecutive and decay is not None and gates is None and starts is None else None
         if decay is not None:
             gates = decay if gates is None else gates + decay
         with_denominator = self.normalization == "denominator"
@@ -148,7 +152,7 @@ class KernelAttention(nn.Module):
             divide_eps = self.eps if divided else None
             out, denominator, kv = causal_linear_attention(
                 tq, tk, v, gates, previous, self.chunk_size, starts, with_denominator, divide_eps, self.kernel_backend,
-                in_place,
+                in_place, known_decay,
             )  # fmt: skip
         else:
             out, denominator = bidirectional_linear_attention(tq, tk, v, local_documents, with_denominator)
@@ -161,7 +165,9 @@ class KernelAttention(nn.Module):
         if self.normalization == "output_layer_norm":
             return self.layer_norm_over_heads(out, features.log_scale)
         if self.normalization == "unrotated_denominator":
-            denominator = self.unrotated_denominator(features.query, features.key, gates, state, starts, in_place)
+            denominator = self.unrotated_denominator(
+                features.query, features.key, gates, state, starts, in_place, known_decay
+            )
         if features.log_scale is None:
             if denominator is not None:
                 return DivideByDenominator.divide(out, denominator, self.eps)
@@ -237,7 +243,7 @@ class KernelAttention(nn.Module):
         dtype = torch.promote_types(dtype, torch.float32)
         return log_decay.to(dtype)[None, :, None] * steps[:, None, :].to(dtype)
 
-    def unrotated_denominator(self, fq, fk, gates, state, starts=None, in_place=False):
+    def unrotated_denominator(self, fq, fk, gates, state, starts=None, in_place=False, known_decay=None):
         """<phi(q_s), sum_t w(s, t) phi(k_t)> without the positional transform (RoFormer eq. 19): (B, H, N, 1)."""
         if not self.causal:
             documents = None if starts is None else starts.long().cumsum(-1)
@@ -248,7 +254,15 @@ class KernelAttention(nn.Module):
         else:
             ones = torch.ones_like(fk[..., :1])
             denominator, _, key_sum = causal_linear_attention(
-                fq, fk, ones, gates, previous, self.chunk_size, starts, backend=self.kernel_backend
+                fq,
+                fk,
+                ones,
+                gates,
+                previous,
+                self.chunk_size,
+                starts,
+                backend=self.kernel_backend,
+                known_decay=known_decay,
             )
         if state is not None:
             state.store("key_sum", key_sum)

@@ -122,12 +122,16 @@ class LinearAttention(nn.Module):
         shared_draw=None,
         documents=None,
         softmax_implementation="sdpa",
+        consecutive=None,
     ):
         """``documents``: ``find_documents(...)`` of these inputs when the caller has it (a model computes it
-        once for all its layers)."""
+        once for all its layers); ``consecutive``: whether every row's positions are the defaults without padding
+        (each token one past the one before), which a caller that passes the positions it made knows; None: whether
+        no positions and no padding were given."""
         out = self.attend(
-            hidden_states, attention_mask, position_ids, state, shared_draw, documents, None, softmax_implementation
-        )
+            hidden_states, attention_mask, position_ids, state, shared_draw, documents, None, softmax_implementation,
+            consecutive,
+        )  # fmt: skip
         B, N = hidden_states.shape[:2]
         return self.o_proj(out.transpose(1, 2).reshape(B, N, self.hidden_size))
 
@@ -151,6 +155,7 @@ class LinearAttention(nn.Module):
         documents=None,
         values=None,
         softmax_implementation="sdpa",
+        consecutive=None,
     ):
         """The heads' outputs before the output projection, (B, H, N, d): ``forward`` without ``o_proj``.
         ``values`` (B, H, N, d') replace the projected values (``attention_weights``)."""
@@ -184,9 +189,12 @@ class LinearAttention(nn.Module):
             state.path = state.path if state.path is not None else self.attention.State()
             path_state = state.path
         steps = position_steps(positions, mask, state) if encoding.log_decay is not None else None
-        path_options = (
-            {"implementation": softmax_implementation} if isinstance(self.attention, SoftmaxAttention) else {}
-        )
+        if isinstance(self.attention, SoftmaxAttention):
+            path_options = {"implementation": softmax_implementation}
+        else:
+            if consecutive is None:  # default positions without padding: each token one past the one before
+                consecutive = position_ids is None and mask is None
+            path_options = {"consecutive": consecutive and self.options.position_dims == 1}
         out = self.attention(
             q, k, v, mask, positions, encoding, path_state, steps, starts, documents, reuse_inputs, **path_options
         )

@@ -102,9 +102,13 @@ def token_blocks(num_tokens: int, elements_per_token: int, block_elements: int) 
 
 def distinct_rows(positions: torch.Tensor) -> torch.Tensor:
     """``positions[:1]`` when every batch row holds the same positions (the usual case), else ``positions``:
-    position tables are then built once and broadcast over the batch. Compiled, always ``positions``."""
+    position tables are then built once and broadcast over the batch. Rows expanded from one (a model's default
+    positions without padding) are the same without a look at them (a read on the host). Compiled, always
+    ``positions``."""
     if positions.shape[0] == 1 or torch.compiler.is_compiling():  # compiled: no data-dependent branch
         return positions
+    if positions.stride(0) == 0:
+        return positions[:1]
     return positions[:1] if bool((positions == positions[:1]).all()) else positions
 
 

@@ -119,7 +119,7 @@ class PermuteQueriesAndKeys(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_q, grad_k):
         (positions,) = ctx.saved_tensors
-        return *ctx.permutations.permute(-positions, grad_q, grad_k), None, None
+        return *ctx.permutations.permute(-distinct_rows(positions), grad_q, grad_k), None, None
 
 
 def default_decays(num_heads: int) -> torch.Tensor:
@@ -177,7 +177,8 @@ class PermutePositionalEncoding(PositionalEncoding):
         # fixed decays: looked at (a host read) and their log taken once, again only after they change
         seen, version = getattr(self, "_log_decay_of", None), version_of(decays)
         if seen is None or seen[0] is not decays or version is None or seen[1] != version:
-            self._log_decay = None if bool((decays == 1.0).all()) else decays.log()
+            with torch.inference_mode(False):  # a training step may save it for backward
+                self._log_decay = None if bool((decays == 1.0).all()) else decays.log()
             self._log_decay_of = decays, version
         return self._log_decay
 

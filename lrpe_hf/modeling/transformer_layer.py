@@ -90,9 +90,11 @@ class LinearTransformerLayer(GradientCheckpointingLayer):
         state=None,
         shared_draw=None,
         documents=None,
+        consecutive=None,
     ):
         """hidden_states (B, N, hidden) -> (B, N, hidden). ``shared_tables``: the shared draw's tables, passed as
-        tensors so that gradient checkpointing sees them (see ``SPEDraw.with_tables``)."""
+        tensors so that gradient checkpointing sees them (see ``SPEDraw.with_tables``); ``documents``, ``consecutive``:
+        as ``LinearAttention.forward`` takes them."""
         if shared_tables:
             shared_draw = shared_draw.with_tables(shared_tables)
         attend = dict(
@@ -101,6 +103,7 @@ class LinearTransformerLayer(GradientCheckpointingLayer):
             state=state,
             shared_draw=shared_draw,
             documents=documents,
+            consecutive=consecutive,
             softmax_implementation=self.config._attn_implementation,
         )
         if self.pre_norm:

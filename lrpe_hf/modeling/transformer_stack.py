@@ -59,6 +59,7 @@ class LinearTransformerStack(nn.Module):
         # included) sees them as inputs of each layer.
         shared_tables = shared_draw.tables() if shared_draw is not None and hasattr(shared_draw, "tables") else []
         documents = None  # packed rows: found once for every layer (they all see the same tokens and positions)
+        consecutive = not given_positions and attention_mask is None and position_ids.dim() == 2
         if position_ids.dim() == 2:
             first_state = cache.states[0] if cache is not None else None
             positions = position_ids.expand(hidden_states.shape[0], -1)[..., None]
@@ -79,6 +80,7 @@ class LinearTransformerStack(nn.Module):
                 state=state,
                 shared_draw=shared_draw,
                 documents=documents,
+                consecutive=consecutive,
             )
         return hidden_states, all_hidden_states, all_attentions
 
