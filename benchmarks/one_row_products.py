@@ -4,9 +4,9 @@ A decoding step multiplies one row per sequence by each projection weight (out, 
 LinearGPT stack of ``benchmark_models.py``'s size (6 layers x q, k, v, o (512 x 512), fc1 (2,048 x 512) and fc2
 (512 x 2,048), ``F.linear`` with bias), the weights stored row-major (as ``nn.Linear`` makes them) and column-major
 (as a decoding step lays them out in float32 on a CPU), per dtype and number of rows, the two layouts taking turns
-in every round. Each round's column-major time over its row-major time is one paired sample: the geometric mean
-with its 95% interval (``lrpe_hf.training.verdicts.paired_test``) and the verdict *faster* / *slower* /
-*inconclusive* for column-major.
+in every round, each round with weights made afresh. Each round's column-major time over its row-major time is one
+paired sample: the geometric mean with its 95% interval (``lrpe_hf.training.verdicts.paired_test``) and the verdict
+*faster* / *slower* / *inconclusive* for column-major.
 
 Writes ``one_row_products.csv`` and its record ``one_row_products.json`` to ``--out`` and prints the table.
 
@@ -17,12 +17,13 @@ import argparse
 import csv
 import math
 import statistics
+import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from benchmark_models import SIZE
-from measure import sample_alternately, write_provenance
+from measure import write_provenance
 
 from lrpe_hf.training.verdicts import paired_test
 
@@ -53,21 +54,27 @@ def products(weights, inputs):
 
 
 def measure(dtype_name: str, rows: int, rounds: int, repeats: int) -> dict:
+    """Both layouts' milliseconds per pass over the stack, ``rounds`` paired samples (after one warm-up round). Each
+    round makes both stacks afresh, so that where the allocator happens to put a weight varies from round to round
+    as it does from process to process: a one-row product's time depends on it (runs that kept one allocation
+    disagreed with each other beyond their own intervals)."""
     dtype = DTYPES[dtype_name]
     hidden, ffn, layers = SIZE["hidden"], SIZE["ffn"], SIZE["layers"]
     inputs = {n: torch.randn(rows, n, dtype=dtype) for n in (hidden, ffn)}
-    runs = [products(stack_weights(dtype, layout, hidden, ffn, layers), inputs) for layout in (False, True)]
-
-    def repeated(run):
-        def many():
+    row_major, column_major = [], []
+    for round_index in range(rounds + 1):
+        runs = [products(stack_weights(dtype, layout, hidden, ffn, layers), inputs) for layout in (False, True)]
+        order = [0, 1] if round_index % 2 else [1, 0]
+        times = [0.0, 0.0]
+        for layout in order:
+            runs[layout]()  # its weights into the caches they will be read from, as in a decoding loop
+            start = time.perf_counter()
             for _ in range(repeats):
-                run()
-
-        return many
-
-    row_major, column_major = (
-        [ms / repeats for ms in samples] for samples in sample_alternately([repeated(r) for r in runs], "cpu", rounds)
-    )
+                runs[layout]()
+            times[layout] = 1000 * (time.perf_counter() - start) / repeats
+        if round_index:
+            row_major.append(times[0])
+            column_major.append(times[1])
     test = paired_test([math.log(c / r) for c, r in zip(column_major, row_major)])
     verdict = "faster" if test.high < 0 else "slower" if test.low > 0 else "inconclusive"
     return dict(
