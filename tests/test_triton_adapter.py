@@ -26,7 +26,7 @@ from reference import reference_attention
 from triton_interpreter import interpreted_fla_kernels, why_not_available
 
 from lrpe_hf import POSITIONAL_ENCODINGS, LinearAttentionState, LinearGPTConfig, LinearGPTForCausalLM
-from lrpe_hf.modeling import products_triton
+from lrpe_hf.modeling import kernel_attention, products_triton
 from lrpe_hf.modeling.attention_kernels import causal_linear_attention
 
 
@@ -203,7 +203,8 @@ def triton_path_on_the_cpu(fla_calls, monkeypatch):
     """The layers' dispatch takes the Triton path for CPU tensors (only its device check is patched), with
     ``fla_calls``'s kernels as fla's. Yields the calls."""
     kernels, calls = fla_calls
-    monkeypatch.setattr(products_triton, "on_kernel_device", lambda x: True)
+    for module in (products_triton, kernel_attention):  # (where it was imported by name too)
+        monkeypatch.setattr(module, "on_kernel_device", lambda x: True)
     monkeypatch.setattr(products_triton, "load_fla", lambda: (kernels, None))
     yield calls
 
