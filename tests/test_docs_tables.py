@@ -172,6 +172,20 @@ def test_encodings_table_pairs_by_seed_with_the_t_interval():
     assert table[3] == f"| rope | elu | 10 ± 1.7 | -2 [{-2 - half:+.3g}, {-2 + half:+.3g}] | 3 |"
 
 
+def test_encodings_table_pairs_each_feature_map_with_the_baselines_runs_of_that_map():
+    """A grid's baseline ran with every feature map: each encoding's difference is to the baseline with its own map
+    (both runs' numbers chosen so that a pairing across maps would give other differences); an encoding whose map
+    the baseline lacks is paired with the baseline's first."""
+    rows = rows_of("none", [10.0, 12.0]) + rows_of("none", [20.0, 30.0], feature_map="relu")
+    rows += rows_of("rope", [9.0, 11.0]) + rows_of("rope", [18.0, 27.0], feature_map="relu")
+    rows += rows_of("rope", [7.0, 9.0], feature_map="exp")
+    lines = [line.split(" | ") for line in tables.encodings_table(rows, "perplexity", "none")[2:]]
+    differences = {cells[1]: cells[3] for cells in lines if cells[0] == "| rope"}
+    assert differences["elu"].startswith("-1 [")  # 9 - 10, 11 - 12: no spread, a zero-width interval
+    assert differences["relu"].startswith("-2.5 [")  # 18 - 20, 27 - 30
+    assert differences["exp"].startswith("-3 [")  # against none with elu, its first map
+
+
 def test_encodings_table_pairs_only_the_seeds_both_ran():
     rows = rows_of("none", [10.0, 12.0]) + rows_of("rope", [9.0, 11.0, 50.0])
     assert tables.encodings_table(rows, "perplexity", "none")[3].split(" | ")[3].startswith("-1 [")

@@ -52,13 +52,16 @@ def markdown(header: list[str], body: list[list[str]]) -> list[str]:
 
 def encodings_table(rows: list[dict], metric: str, baseline: str) -> list[str]:
     """One row per encoding x feature map: ``metric`` mean ± std over seeds, and the paired difference to the
-    ``baseline`` encoding (with the baseline's own feature map)."""
-    reference = by_seed(rows, metric, encoding=baseline)
+    ``baseline`` encoding's runs with the same feature map where the baseline ran with it, else with the baseline's
+    first feature map (as ``verdicts.baseline_comparisons`` pairs them)."""
+    baseline_maps = [feature_map for encoding, feature_map in groups(rows) if encoding == baseline]
     better = "lower" if lower_is_better(metric) else "higher"
     header = ["encoding", "feature map", f"{metric} ({better} is better)", f"paired difference to {baseline}", "seeds"]
     body = []
     for encoding, feature_map in groups(rows):
         values = by_seed(rows, metric, encoding=encoding, feature_map=feature_map)
+        reference_map = feature_map if feature_map in baseline_maps or not baseline_maps else baseline_maps[0]
+        reference = by_seed(rows, metric, encoding=baseline, feature_map=reference_map)
         difference = "0" if encoding == baseline else paired_cell(values, reference)
         body.append([encoding, feature_map, cell(list(values.values())), difference, str(len(values))])
     return markdown(header, body)
