@@ -254,16 +254,9 @@ class KernelAttention(nn.Module):
         else:
             ones = torch.ones_like(fk[..., :1])
             denominator, _, key_sum = causal_linear_attention(
-                fq,
-                fk,
-                ones,
-                gates,
-                previous,
-                self.chunk_size,
-                starts,
-                backend=self.kernel_backend,
+                fq, fk, ones, gates, previous, self.chunk_size, starts, backend=self.kernel_backend,
                 known_decay=known_decay,
-            )
+            )  # fmt: skip
         if state is not None:
             state.store("key_sum", key_sum)
         return denominator

@@ -62,6 +62,9 @@ class LinearGPTModel(LinearGPTPreTrainedModel):
     def get_input_embeddings(self):
         return self.embed_tokens
 
+    def set_input_embeddings(self, value):
+        self.embed_tokens = value
+
     def lay_out_for_decoding(self):
         """Lays the stack's projection weights out for one-row products on their device and dtype
         (``weight_layout``), once per device and dtype the model is on."""
@@ -69,9 +72,6 @@ class LinearGPTModel(LinearGPTPreTrainedModel):
         if self.decoding_layout != (weight.device, weight.dtype):
             lay_out_for_one_row_products(self.stack)
             self.decoding_layout = (weight.device, weight.dtype)
-
-    def set_input_embeddings(self, value):
-        self.embed_tokens = value
 
     @can_return_tuple
     def forward(
