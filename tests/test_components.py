@@ -793,8 +793,15 @@ def test_the_layer_lets_the_feature_map_overwrite_only_its_own_projections():
             torch.testing.assert_close(kept, 2 * layer.split_heads(proj(x)))
 
 
-@pytest.mark.parametrize("encoding", ["none", "rope", "lrpe_orthogonal", "lrpe_unitary"])
-def test_a_decoding_step_with_queries_and_keys_stacked_equals_the_step_with_them_apart(encoding, monkeypatch):
+@pytest.mark.parametrize(
+    "encoding, options",
+    [
+        ("none", {}), ("rope", {}), ("lrpe_orthogonal", {}), ("lrpe_unitary", {}),
+        ("lrpe_orthogonal", {"lrpe_p_matrix": "dct"}),  # a P without its own ``stacked``: the (2B, H) view
+        ("rope", {"feature_map": "hedgehog"}),  # a map with per-head parameters
+    ],
+)  # fmt: skip
+def test_a_decoding_step_with_queries_and_keys_stacked_equals_the_step_with_them_apart(encoding, options, monkeypatch):
     """The encodings that transform q and k as one tensor in a decoding step (``encode_stacked``) give what their
     ``encode_features`` gives (a left-padded row included); one that does not override it is never handed one."""
     from lrpe_hf import LinearAttentionCache, LinearGPTConfig, LinearGPTForCausalLM
@@ -802,7 +809,7 @@ def test_a_decoding_step_with_queries_and_keys_stacked_equals_the_step_with_them
 
     config = LinearGPTConfig(
         vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-        positional_encoding=encoding, hidden_dropout_prob=0.0,
+        positional_encoding=encoding, hidden_dropout_prob=0.0, **options,
     )  # fmt: skip
     torch.manual_seed(0)
     model = LinearGPTForCausalLM(config).eval()

@@ -295,6 +295,30 @@ def test_half_precision_training_steps_hand_fla_even_widths(triton_path_on_the_c
         torch.testing.assert_close(got.float(), expected, atol=5e-2 * scale, rtol=0)
 
 
+@pytest.mark.parametrize("encoding", ["none", "rope", "lrpe_orthogonal"])
+def test_one_rows_decoding_hands_fla_its_stacked_queries_and_keys(triton_path_on_the_cpu, encoding, monkeypatch):
+    """A batch of one row decodes with q and k through the map and the encoding as one tensor on the Triton path
+    too (each half is then contiguous in fla's layout): its steps' logits are the torch path's."""
+    from lrpe_hf.modeling.kernel_attention import KernelAttention
+
+    config = dict(vocab_size=60, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                  pad_token_id=0, eos_token_id=None, positional_encoding=encoding)  # fmt: skip
+    original, stacked = KernelAttention.stacks, []
+    monkeypatch.setattr(KernelAttention, "stacks", lambda *args: stacked.append(original(*args)) or stacked[-1])
+    logits = []
+    for backend in ("triton", "torch"):
+        torch.manual_seed(0)
+        model = LinearGPTForCausalLM(LinearGPTConfig(**config, kernel_backend=backend)).eval()
+        out = model.generate(
+            torch.tensor([[5, 9, 11, 3, 8]]), max_new_tokens=4, do_sample=False, output_logits=True,
+            return_dict_in_generate=True,
+        )  # fmt: skip
+        logits.append(torch.stack(out.logits))
+    torch.testing.assert_close(logits[0], logits[1], atol=1e-5, rtol=1e-4)
+    steps = [name for name, *_ in triton_path_on_the_cpu]
+    assert steps.count("one_step") == 2 * 3 and any(stacked)  # 3 steps after the prompt's, 2 layers
+
+
 @pytest.mark.parametrize("encoding,feature_map", [("permute", "relu"), ("none", "exp")])
 def test_generation_from_a_one_token_prompt(triton_path_on_the_cpu, encoding, feature_map):
     """The first call holds one token with gates (PermuteFormer's decay, the exp map's rescaling) and no state:

@@ -189,10 +189,11 @@ class KernelAttention(nn.Module):
         """Whether q and k go through the feature map and the encoding as one tensor (``stacked_features``): for
         a decoding step's few elements without gradient, where the map treats queries and keys alike (the base
         ``features``) and the encoding can (``stacks_features``). Not while compiling, where the compiler fuses,
-        nor where the product may take fla's kernels, which would copy each half into a layout of its own."""
+        nor for a batch of several rows where the product may take fla's kernels: their halves would not be
+        contiguous in fla's layout, and it would copy each."""
         return (
             q.numel() < FEW_ELEMENTS
-            and (self.kernel_backend == "torch" or not on_kernel_device(q))
+            and (q.shape[0] == 1 or self.kernel_backend == "torch" or not on_kernel_device(q))
             and q.shape == k.shape
             and q.dtype == k.dtype
             and encoding.stacks_features
@@ -202,15 +203,18 @@ class KernelAttention(nn.Module):
         )
 
     def stacked_features(self, q, k, mask, positions, encoding):
-        """``Features`` of q and k (B, H, N, D) and their encoded forms, the two stacked along the tokens
-        (B, H, 2N, m) for the map and the encoding: one op each where two would be, for one concatenation (on a
-        GPU a decoding step's cost is its launches). Returns the features and the encoded (tq, tk), views."""
-        N = q.shape[2]
-        x = self.feature_map.in_place(torch.cat((q, k), dim=2))
+        """``Features`` of q and k (B, H, N, D) and their encoded forms, the two stacked along the heads
+        (B, 2H, N, m), queries' heads first: one op each for the map and the encoding where two would be, for one
+        concatenation (on a GPU a decoding step's cost is its launches). The map sees them as a batch of 2B rows
+        of H heads (its per-head parameters apply alike). Returns the features and the encoded (tq, tk), views
+        (each contiguous for one row, as fla's one-step kernel takes them)."""
+        B, H, N = q.shape[:3]
+        x = torch.cat((q, k), dim=1).view(2 * B, H, N, -1)  # rows (b, 0) the queries, (b, 1) the keys
+        x = self.feature_map.in_place(x).reshape(B, 2 * H, N, -1)
         if mask is not None:
-            x[:, :, N:].masked_fill_(~mask[:, None, :, None], 0.0)  # padded keys add nothing
+            x[:, H:].masked_fill_(~mask[:, None, :, None], 0.0)  # padded keys add nothing
         encoded = encoding.encode_stacked(x, positions)
-        return Features(x[:, :, :N], x[:, :, N:]), (encoded[:, :, :N], encoded[:, :, N:])
+        return Features(x[:, :H], x[:, H:]), (encoded[:, :H], encoded[:, H:])
 
     def layer_norm_over_heads(self, out, log_scale):
         """LayerNorm over the concatenated heads: out (B, H, N, d) -> (B, H, N, d). With stabilised features each

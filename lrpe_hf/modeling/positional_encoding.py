@@ -10,9 +10,9 @@ what it changes:
 - ``encode_features(q, k, positions)``: after the feature map, the same transform for queries and keys
   (rope, lrpe_*, permute). (B,H,N,m) -> (B,H,N,m'); position tables built once for both. It must be linear in
   the features: the features of padded keys are 0 and must stay 0, so that they add nothing to any sum.
-  ``encode_stacked(x, positions)``, optional: the same transform of q and k stacked along the tokens, x
-  (B,H,2N,m), queries first: one op for both where ``encode_features`` takes two (a decoding step's cost on a GPU
-  is its launches). An encoding that overrides it is handed a decoding step's features that way.
+  ``encode_stacked(x, positions)``, optional: the same transform of q and k stacked along the heads, x
+  (B,2H,N,m), queries' heads first: one op for both where ``encode_features`` takes two (a decoding step's cost on
+  a GPU is its launches). An encoding that overrides it is handed a decoding step's features that way.
 - ``log_decay``: a per-head log decay per unit of position, ``(H,)`` or ``None`` (PermuteFormer's causal r):
   the weight of key t at query s is multiplied by exp(log_decay (p_s - p_t)).
 - ``value_bias(values, key_positions, query_positions, causal, key_documents, query_documents)``: an additive
@@ -44,10 +44,10 @@ class PositionalEncoding(Reinitialisable):
         return q, k
 
     def encode_stacked(self, x, positions):
-        """``encode_features`` of q and k stacked along the tokens: x (B, H, 2N, m), the queries' N tokens first,
-        the keys' at the same positions after them; see ``stacks_features``."""
-        q, k = x.chunk(2, dim=2)
-        return torch.cat(self.encode_features(q, k, positions), dim=2)
+        """``encode_features`` of q and k stacked along the heads: x (B, 2H, N, m), the queries' H heads first,
+        the keys' after them; see ``stacks_features``."""
+        q, k = x.chunk(2, dim=1)
+        return torch.cat(self.encode_features(q, k, positions), dim=1)
 
     @property
     def stacks_features(self) -> bool:

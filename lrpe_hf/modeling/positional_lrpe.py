@@ -51,17 +51,21 @@ class HouseholderReflection(Reinitialisable):
     def forward(self, x):  # (B, H, N, m)
         return self.pair(x)[0]
 
-    def unit_vectors(self):
-        """The vectors normalised (H, m): for a fixed vector, once, again only after it changes."""
+    def unit_vectors(self, copies: int = 1):
+        """The vectors normalised (H, m), repeated ``copies`` times along the heads: for a fixed vector, once, again
+        only after it changes."""
         vector = self.vector
         if wants_gradient(vector) or torch.compiler.is_compiling():
-            return F.normalize(vector, dim=-1, eps=1e-6)
+            unit = F.normalize(vector, dim=-1, eps=1e-6)
+            return unit if copies == 1 else unit.repeat(copies, 1)
         seen, version = getattr(self, "_unit_of", None), version_of(vector)
         if seen is None or seen[0] is not vector or version is None or seen[1] != version:
+            self._units, self._unit_of = {}, (vector, version)
+        if copies not in self._units:
             with torch.inference_mode(False):  # a training step may save it for backward
-                self._unit = F.normalize(vector, dim=-1, eps=1e-6)
-            self._unit_of = vector, version
-        return self._unit
+                unit = F.normalize(vector, dim=-1, eps=1e-6)
+                self._units[copies] = unit if copies == 1 else unit.repeat(copies, 1)
+        return self._units[copies]
 
     def pair(self, *xs):
         """Each of xs (B, H, N, m) reflected, the unit vectors normalised once for all."""
@@ -69,12 +73,27 @@ class HouseholderReflection(Reinitialisable):
         fixed = not wants_gradient(v)
         return tuple(FixedReflection.apply(x, v) if fixed and wants_gradient(x) else reflect(x, v) for x in xs)
 
+    def stacked(self, x):
+        """q and k stacked along the heads, x (B, 2H, N, m), reflected without gradient: by the vectors repeated
+        for the keys' heads (kept), so the product takes no broadcast copy of them."""
+        return reflect(x, self.unit_vectors(copies=2).to(x.dtype)[:, None, :])
+
 
 def apply_p(p, q, k):
     """P applied to q and k: in one call where P has one for both (``pair``), so that what it derives from its
     parameters is made once."""
     pair = getattr(p, "pair", None)
     return pair(q, k) if pair is not None else (p(q), p(k))
+
+
+def apply_p_stacked(p, x):
+    """P applied to q and k stacked along the heads, x (B, 2H, N, m): by P's own ``stacked`` where it has one,
+    else as to a batch of 2B rows of H heads (what any P takes)."""
+    stacked = getattr(p, "stacked", None)
+    if stacked is not None:
+        return stacked(x)
+    B, H = x.shape[0], x.shape[1] // 2
+    return p(x.reshape(2 * B, H, *x.shape[2:])).reshape(B, 2 * H, *x.shape[2:])
 
 
 def reflect(x, v):
@@ -236,7 +255,7 @@ class LRPEOrthogonal(PositionalEncoding):
         return self.rotation.encode_features(*apply_p(self.p, q, k), positions)
 
     def encode_stacked(self, x, positions):
-        return self.rotation.encode_stacked(self.p(x), positions)  # P acts on each token alike
+        return self.rotation.encode_stacked(apply_p_stacked(self.p, x), positions)
 
 
 class LRPEPermutation(PositionalEncoding):

@@ -112,11 +112,11 @@ def rotate_few(q, k, positions, theta, axis, radians=None):
 
 
 def rotate_stacked_few(x, positions, theta, axis, radians=None):
-    """``rotate_few`` of q and k stacked along the tokens, x (B, H, 2N, m) (queries first, then keys at the same
-    positions): one product for both."""
-    factor = few_factors(positions, theta, axis, radians)[:, :, None]  # (B', H, 1, N, P): the same for q and k
-    pairs = x.unflatten(2, (2, -1))  # (B, H, 2, N, m)
-    return multiply_pairs(pairs, factor, out=torch.empty_like(pairs)).flatten(2, 3)
+    """``rotate_few`` of q and k stacked along the heads, x (B, 2H, N, m) (the queries' heads first): one product
+    for both."""
+    factor = few_factors(positions, theta, axis, radians)[:, None]  # (B', 1, H, N, P): the same for q and k
+    pairs = x.unflatten(1, (2, -1))  # (B, 2, H, N, m)
+    return multiply_pairs(pairs, factor, out=torch.empty_like(pairs)).flatten(1, 2)
 
 
 def few_factors(positions, theta, axis, radians=None):
