@@ -6,7 +6,9 @@ milliseconds and a shared machine moves absolute times by 10-30% between runs, s
 ``benchmark_models.py``: 6 x 512, 8 heads, FFN 2,048, vocabulary 8,192; batch 1, fp32, eval mode, no gradient), and
 each round times every model in turn (the order rotating from round to round):
 
-- untimed: a fresh prefill of the same ``--context``-token prompt (a new cache), then one step;
+- untimed: the model's weights moved to fresh memory (where the allocator puts a weight moves a one-row product's
+  time, and runs that kept one placement disagreed with each other beyond their own intervals: each round now
+  samples a placement), a fresh prefill of the same ``--context``-token prompt (a new cache), then one step;
 - timed: ``--new_tokens`` one-token steps, greedy.
 
 Each encoding's time over GPT-2's in the same round is one paired sample. Over the rounds: the geometric mean of
@@ -54,8 +56,15 @@ class Decoder:
         return out.logits[:, -1:].argmax(-1), out[CACHE_OUTPUT_FIELD]
 
     @torch.no_grad()
+    def reallocate(self):
+        """Every weight moved to fresh memory, its values and strides (a decoding step's layout) kept."""
+        for parameter in self.model.parameters():
+            parameter.data = parameter.data.clone()
+
+    @torch.no_grad()
     def round_ms(self, new_tokens: int) -> float:
-        """Milliseconds per token of ``new_tokens`` steps after an untimed prefill and first step."""
+        """Milliseconds per token of ``new_tokens`` steps after an untimed reallocation, prefill and first step."""
+        self.reallocate()
         out = self.model(
             input_ids=self.prompt, use_cache=True, logits_to_keep=1, **{CACHE_OUTPUT_FIELD: self.new_cache()}
         )

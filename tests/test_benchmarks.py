@@ -139,6 +139,20 @@ def test_decode_latency_pairs_each_round_with_gpt2s():
     assert abs(rows["level"]["high"] - math.exp(statistics.fmean(logs) + half)) < 1e-4
 
 
+def test_decode_latency_moves_each_weight_to_fresh_memory_keeping_values_strides_and_ties():
+    sys.path.insert(0, str(BENCHMARKS))
+    decode_latency = importlib.import_module("decode_latency")
+    decoder = decode_latency.Decoder("none", torch.zeros(1, 4, dtype=torch.long), max_tokens=8)
+    projection = decoder.model.model.stack.layers[0].self_attn.q_proj.weight
+    projection.data = projection.data.t().contiguous().t()  # as a decoding step lays it out
+    before = {name: (p.detach().clone(), p.data_ptr(), p.stride()) for name, p in decoder.model.named_parameters()}
+    decoder.reallocate()
+    for name, p in decoder.model.named_parameters():
+        value, address, stride = before[name]
+        assert torch.equal(p, value) and p.stride() == stride and p.data_ptr() != address, name
+    assert decoder.model.lm_head.weight is decoder.model.model.embed_tokens.weight
+
+
 def test_decode_latency_benchmark_writes_its_table_and_record(tmp_path):
     command = [sys.executable, str(BENCHMARKS / "decode_latency.py"), "--encodings", "rope", "--rounds", "2"]
     command += ["--new_tokens", "2", "--context", "8", "--out", str(tmp_path)]
