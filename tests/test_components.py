@@ -799,6 +799,7 @@ def test_the_layer_lets_the_feature_map_overwrite_only_its_own_projections():
         ("none", {}), ("rope", {}), ("lrpe_orthogonal", {}), ("lrpe_unitary", {}),
         ("lrpe_orthogonal", {"lrpe_p_matrix": "dct"}),  # a P without its own ``stacked``: the (2B, H) view
         ("rope", {"feature_map": "hedgehog"}),  # a map with per-head parameters
+        ("permute", {}), ("lrpe_permutation", {}),
     ],
 )  # fmt: skip
 def test_a_decoding_step_with_queries_and_keys_stacked_equals_the_step_with_them_apart(encoding, options, monkeypatch):

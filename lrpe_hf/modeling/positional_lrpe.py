@@ -272,3 +272,6 @@ class LRPEPermutation(PositionalEncoding):
 
     def encode_features(self, q, k, positions):
         return self.permutation.encode_features(*apply_p(self.p, q, k), positions)
+
+    def encode_stacked(self, x, positions):
+        return self.permutation.encode_stacked(apply_p_stacked(self.p, x), positions)

@@ -72,6 +72,13 @@ class CyclicPermutations(Reinitialisable):
             return PermuteQueriesAndKeys.apply(q, k, self, positions)
         return self.permute(positions, q, k)
 
+    def permute_stacked(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """P_pi^s of q and k stacked along the heads, x (B, 2H, N, size) (the queries' heads first), positions
+        (B, N): one gather for both, by the same indices."""
+        B, _, N, size = x.shape
+        index = self.power_indices(distinct_rows(positions))[:, None].expand(B, 2, -1, -1, -1)  # (B, 2, H, N, size)
+        return torch.gather(x.view(B, 2, self.num_heads, N, size), -1, index).view(B, 2 * self.num_heads, N, size)
+
     BLOCK_ELEMENTS = 1 << 20  # the int64 indices of one block of tokens: 8 MB
 
     def permute(self, positions, *tensors):
@@ -192,6 +199,11 @@ class PermutePositionalEncoding(PositionalEncoding):
             )
         ]
         return torch.cat([p[0] for p in parts], dim=-1), torch.cat([p[1] for p in parts], dim=-1)
+
+    def encode_stacked(self, x, positions):
+        if len(self.permutations) > 1:  # 2D: each half of the features by its own axis, as encode_features
+            return super().encode_stacked(x, positions)
+        return self.permutations[0].permute_stacked(x, positions[..., 0])
 
     def extra_repr(self):
         return f"position_dims={self.position_dims}, decays={[round(d, 4) for d in self.decays.tolist()]}"
