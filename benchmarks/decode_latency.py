@@ -21,20 +21,17 @@ Writes ``decode_latency.csv`` and its record ``decode_latency.json`` to ``--out`
 """
 
 import argparse
-import csv
-import math
 import statistics
 import time
 from pathlib import Path
 
 import torch
 from benchmark_models import SIZE, build
-from measure import write_provenance
+from measure import time_ratio, write_table
 from transformers import DynamicCache
 
 from lrpe_hf import LinearAttentionCache
 from lrpe_hf.modeling.forward_arguments import CACHE_OUTPUT_FIELD
-from lrpe_hf.training.verdicts import paired_test
 
 GPT2 = "gpt2-sdpa"
 ENCODINGS = ["none", "rope", "lrpe_orthogonal", "lrpe_unitary", "permute", "spe_sine", "fastrpb"]
@@ -91,22 +88,16 @@ def measure(encodings, context: int, new_tokens: int, rounds: int) -> dict[str, 
 
 
 def rows_of(times: dict[str, list[float]], context: int, new_tokens: int) -> list[dict]:
-    reference = times[GPT2]
     rows = []
     for name, samples in times.items():
-        test = paired_test([math.log(ms / gpt2) for ms, gpt2 in zip(samples, reference)])
-        verdict = "faster" if test.high < 0 else "slower" if test.low > 0 else "inconclusive"
-        rows.append(
-            dict(
-                model=name, context=context, new_tokens=new_tokens, rounds=len(samples),
-                ms_per_token=round(statistics.median(samples), 3),
-                over_gpt2=round(math.exp(test.mean), 4),
-                low="" if name == GPT2 else round(math.exp(test.low), 4),
-                high="" if name == GPT2 else round(math.exp(test.high), 4),
-                p_value="" if name == GPT2 else f"{test.p_value:.2g}",
-                verdict="-" if name == GPT2 else verdict,
-            )
-        )  # fmt: skip
+        ratio = time_ratio(samples, times[GPT2])
+        if name == GPT2:
+            ratio.update(low="", high="", p_value="", verdict="-")
+        over_gpt2 = ratio.pop("ratio")
+        rows.append(dict(
+            model=name, context=context, new_tokens=new_tokens, rounds=len(samples),
+            ms_per_token=round(statistics.median(samples), 3), over_gpt2=over_gpt2, **ratio,
+        ))  # fmt: skip
     return rows
 
 
@@ -125,15 +116,7 @@ def main():
         parser.error(f"--rounds must be at least 2 for an interval, got {args.rounds}")
     times = measure(args.encodings, args.context, args.new_tokens, args.rounds)
     rows = rows_of(times, args.context, args.new_tokens)
-    args.out.mkdir(parents=True, exist_ok=True)
-    with open(args.out / "decode_latency.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=FIELDS)
-        writer.writeheader()
-        writer.writerows(rows)
-    write_provenance(args.out / "decode_latency.json", "cpu", files=["decode_latency.csv"])
-    print("| " + " | ".join(FIELDS) + " |")
-    for row in rows:
-        print("| " + " | ".join(str(row[field]) for field in FIELDS) + " |")
+    write_table(args.out, "decode_latency", FIELDS, rows)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
 """Timing and peak-memory helpers shared by the benchmark scripts."""
 
+import csv
 import gc
 import json
+import math
 import os
 import resource
 import statistics
@@ -12,6 +14,7 @@ from pathlib import Path
 import torch
 
 from lrpe_hf.training.provenance import process_seconds, write_record
+from lrpe_hf.training.verdicts import paired_test
 
 
 def timed(fn, device, reps):
@@ -51,6 +54,31 @@ def allocator_note() -> str:
     return "CPU allocator: default (THP_MEM_ALLOC_ENABLE unset)"
 
 
+def time_ratio(samples, reference) -> dict:
+    """Paired times: the geometric mean of ``samples[i] / reference[i]`` (``ratio``) with its 95% interval (``low``,
+    ``high``; Student's t over the log ratios, ``paired_test``), the p-value, and the verdict *faster* (the interval
+    lies below 1), *slower* (above 1) or *inconclusive*."""
+    test = paired_test([math.log(ms / base) for ms, base in zip(samples, reference)])
+    verdict = "faster" if test.high < 0 else "slower" if test.low > 0 else "inconclusive"
+    return dict(
+        ratio=round(math.exp(test.mean), 4), low=round(math.exp(test.low), 4), high=round(math.exp(test.high), 4),
+        p_value=f"{test.p_value:.2g}", verdict=verdict,
+    )  # fmt: skip
+
+
+def write_table(out: Path, name: str, fields: list[str], rows: list[dict]):
+    """``NAME.csv`` and its record ``NAME.json`` in ``out``, and the table printed in markdown."""
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / f"{name}.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows(rows)
+    write_provenance(out / f"{name}.json", "cpu", files=[f"{name}.csv"])
+    print("| " + " | ".join(fields) + " |")
+    for row in rows:
+        print("| " + " | ".join(str(row[field]) for field in fields) + " |")
+
+
 def write_provenance(path, device: str, files=None):
     """``path`` (a JSON record beside the run's CSVs, ``lrpe_hf.training.provenance``): the command, the commit and
     whether the tree was clean, the machine, torch and transformers versions, threads, date and seconds. ``files``:
@@ -59,7 +87,7 @@ def write_provenance(path, device: str, files=None):
     path = Path(path)
     if files is None:
         started = time.time() - process_seconds() - 1
-        files = [csv.name for csv in sorted(path.parent.glob("*.csv")) if csv.stat().st_mtime >= started]
+        files = [table.name for table in sorted(path.parent.glob("*.csv")) if table.stat().st_mtime >= started]
     script = os.path.relpath(os.path.abspath(sys.argv[0]), Path(__file__).resolve().parents[1])
     allocator = allocator_note() if device == "cpu" else "CUDA caching allocator"
     return write_record(path, files or [path.stem + ".csv"], script, device, allocator=allocator)

@@ -14,7 +14,6 @@ Writes ``one_row_products.csv`` and its record ``one_row_products.json`` to ``--
 """
 
 import argparse
-import csv
 import math
 import statistics
 import time
@@ -23,9 +22,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from benchmark_models import SIZE
-from measure import write_provenance
-
-from lrpe_hf.training.verdicts import paired_test
+from measure import time_ratio, write_table
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 FIELDS = ["dtype", "rows", "rounds", "row_major_ms", "column_major_ms", "ratio", "low", "high", "p_value", "verdict"]
@@ -75,13 +72,10 @@ def measure(dtype_name: str, rows: int, rounds: int, repeats: int) -> dict:
         if round_index:
             row_major.append(times[0])
             column_major.append(times[1])
-    test = paired_test([math.log(c / r) for c, r in zip(column_major, row_major)])
-    verdict = "faster" if test.high < 0 else "slower" if test.low > 0 else "inconclusive"
     return dict(
         dtype=dtype_name, rows=rows, rounds=rounds,
         row_major_ms=round(statistics.median(row_major), 4), column_major_ms=round(statistics.median(column_major), 4),
-        ratio=round(math.exp(test.mean), 4), low=round(math.exp(test.low), 4), high=round(math.exp(test.high), 4),
-        p_value=f"{test.p_value:.2g}", verdict=verdict,
+        **time_ratio(column_major, row_major),
     )  # fmt: skip
 
 
@@ -102,15 +96,7 @@ def main():
         parser.error(f"--rounds must be at least 2 for an interval, got {args.rounds}")
     torch.manual_seed(0)
     rows = [measure(dtype, n, args.rounds, args.repeats) for dtype in args.dtypes for n in args.rows]
-    args.out.mkdir(parents=True, exist_ok=True)
-    with open(args.out / "one_row_products.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=FIELDS)
-        writer.writeheader()
-        writer.writerows(rows)
-    write_provenance(args.out / "one_row_products.json", "cpu", files=["one_row_products.csv"])
-    print("| " + " | ".join(FIELDS) + " |")
-    for row in rows:
-        print("| " + " | ".join(str(row[field]) for field in FIELDS) + " |")
+    write_table(args.out, "one_row_products", FIELDS, rows)
 
 
 if __name__ == "__main__":
