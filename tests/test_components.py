@@ -836,4 +836,7 @@ def test_a_decoding_step_with_queries_and_keys_stacked_equals_the_step_with_them
     stacks = model.model.stack.layers[0].self_attn.positional_encoding.stacks_features
     assert taken and any(taken) == stacks and stacks == (encoding != "lrpe_unitary")
     monkeypatch.setattr(KernelAttention, "stacks", lambda self, q, k, encoding: False)
-    torch.testing.assert_close(stacked, steps(), rtol=1e-6, atol=1e-6)
+    # the same ops on the same numbers: equal to the bit, but where the DCT matrix multiplies 2B rows at once, which
+    # its GEMM may sum in another order (a float32 ulp)
+    exact = options.get("lrpe_p_matrix") != "dct"
+    torch.testing.assert_close(stacked, steps(), rtol=0 if exact else 1e-6, atol=0 if exact else 1e-6)
