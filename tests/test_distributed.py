@@ -75,7 +75,8 @@ def free_port() -> int:
 
 
 def run(command, env_extra):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **env_extra}
+    # PYTHONFAULTHANDLER: a process that aborts prints every thread's Python stack, which says where it was.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1", **env_extra}
     result = subprocess.run([str(c) for c in command], capture_output=True, text=True, env=env, timeout=600)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
 

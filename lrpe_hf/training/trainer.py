@@ -91,4 +91,7 @@ def train_and_evaluate(trainer: CardTrainer, extra_metrics=None) -> dict:
         trainer.push_to_hub()
     if is_adapter(trainer.model) and trainer.is_world_process_zero():
         save_merged_model(trainer.model, trainer.processing_class, Path(args.output_dir) / "merged")
+    # Every process leaves the stage together: none exits (and tears its process group down) while another is
+    # still writing what the stage saves.
+    trainer.accelerator.wait_for_everyone()
     return metrics
