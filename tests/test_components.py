@@ -800,6 +800,7 @@ def test_the_layer_lets_the_feature_map_overwrite_only_its_own_projections():
         ("lrpe_orthogonal", {"lrpe_p_matrix": "dct"}),  # a P without its own ``stacked``: the (2B, H) view
         ("rope", {"feature_map": "hedgehog"}),  # a map with per-head parameters
         ("permute", {}), ("lrpe_permutation", {}),
+        ("fastrpb", {}),  # no ``encode_stacked`` of its own
     ],
 )  # fmt: skip
 def test_a_decoding_step_with_queries_and_keys_stacked_equals_the_step_with_them_apart(encoding, options, monkeypatch):
@@ -834,7 +835,7 @@ def test_a_decoding_step_with_queries_and_keys_stacked_equals_the_step_with_them
     monkeypatch.setattr(KernelAttention, "stacks", spy)
     stacked = steps()
     stacks = model.model.stack.layers[0].self_attn.positional_encoding.stacks_features
-    assert taken and any(taken) == stacks and stacks == (encoding != "lrpe_unitary")
+    assert taken and any(taken) == stacks and stacks == (encoding != "fastrpb")
     monkeypatch.setattr(KernelAttention, "stacks", lambda self, q, k, encoding: False)
     # the same ops on the same numbers: equal to the bit, but where the DCT matrix multiplies 2B rows at once, which
     # its GEMM may sum in another order (a float32 ulp)

@@ -295,7 +295,7 @@ def test_half_precision_training_steps_hand_fla_even_widths(triton_path_on_the_c
         torch.testing.assert_close(got.float(), expected, atol=5e-2 * scale, rtol=0)
 
 
-@pytest.mark.parametrize("encoding", ["none", "rope", "lrpe_orthogonal"])
+@pytest.mark.parametrize("encoding", ["none", "rope", "lrpe_orthogonal", "lrpe_unitary"])
 def test_one_rows_decoding_hands_fla_its_stacked_queries_and_keys(triton_path_on_the_cpu, encoding, monkeypatch):
     """A batch of one row decodes with q and k through the map and the encoding as one tensor on the Triton path
     too (each half is then contiguous in fla's layout): its steps' logits are the torch path's."""
