@@ -47,9 +47,12 @@ def test_incremental_decoding_equals_full_forward(encoding, attention):
     assert cache.get_seq_length() == 12
 
 
-@pytest.mark.parametrize("encoding", ["lrpe_orthogonal", "permute", "spe_conv", "fastrpb", "lrpe_unitary"])
-def test_left_padded_batched_generation_equals_each_prompt_alone(encoding):
-    model = model_with(encoding)
+@pytest.mark.parametrize(
+    "encoding, attention", [(e, "linear") for e in lrpe_hf.POSITIONAL_ENCODINGS] + [("rope", "softmax")]
+)
+def test_left_padded_batched_generation_equals_each_prompt_alone(encoding, attention):
+    """Its decoding steps go without the mask (see the next test): the padding's place is known from the cache."""
+    model = model_with(encoding, attention=attention)
     short, long = prompt(batch=1, tokens=4, seed=1), prompt(batch=1, tokens=7, seed=2)
     ids = torch.cat([torch.cat([torch.zeros(1, 3, dtype=torch.long), short], dim=1), long])
     mask = (ids != 0).long()
@@ -59,6 +62,29 @@ def test_left_padded_batched_generation_equals_each_prompt_alone(encoding):
     alone_long = model.generate(long, max_new_tokens=6, do_sample=False)
     assert batched[0, 3:].tolist() == alone_short[0].tolist()
     assert batched[1].tolist() == alone_long[0].tolist()
+
+
+def test_generate_hands_the_mask_to_the_prefill_only():
+    """generate's mask is ones for the tokens it appends: its decoding steps go without one (the layers' every-token-
+    real path); the prompt's call keeps it, and so does a call that continues a cache with a new, padded piece."""
+    model = model_with("permute")
+    ids = torch.cat([torch.cat([torch.zeros(1, 3, dtype=torch.long), prompt(batch=1, tokens=4)], dim=1), prompt(1, 7)])
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    given = []
+    hook = model.register_forward_pre_hook(
+        lambda module, args, kwargs: given.append(kwargs.get("attention_mask")), with_kwargs=True
+    )
+    cache = LinearAttentionCache(model.config.num_hidden_layers)
+    out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=4, do_sample=False)
+    assert len(given) == 4 and given[0] is not None and given[0].shape == (2, 7)
+    assert all(m is None for m in given[1:])
+    given.clear()
+    more = torch.cat([out, torch.tensor([[0, 0, 5], [6, 7, 8]])], dim=1)
+    more_mask = torch.cat([mask, torch.ones(2, 4, dtype=torch.long), torch.tensor([[0, 0, 1], [1, 1, 1]])], dim=1)
+    model.generate(more, attention_mask=more_mask, past_key_values=cache, max_new_tokens=2, do_sample=False)
+    hook.remove()
+    assert len(given) == 2 and given[0] is not None and given[1] is None
 
 
 def test_sampling_and_beam_search():
