@@ -181,8 +181,9 @@ class LinearGPTForCausalLM(LinearGPTPreTrainedModel, GenerationMixin):
         model would start afresh from those tokens and decode text with no context, silently (as a forward that
         misses a renamed cache argument would).
 
-        A decoding step, one that feeds tokens ``generate`` itself appended (it then passes ``next_sequence_length``)
-        after a cache has taken the prompt, goes without the attention mask: generate's mask is ones for every token
+        A decoding step, one that feeds tokens ``generate`` itself appended (it then passes ``next_sequence_length``,
+        and no ``is_first_iteration``, which its prompt's calls pass, continuing a cache or not) after a cache has
+        taken the prompt, goes without the attention mask: generate's mask is ones for every token
         it appends, the prompt's padding is already summarised in the cache's state, and each row's positions
         continue from the real tokens the cache counted, as the mask would give them. The layers then take their
         every-token-real path, which the benchmarks time (a mask of ones costs 18 more ATen ops per layer and step
@@ -199,7 +200,7 @@ class LinearGPTForCausalLM(LinearGPTPreTrainedModel, GenerationMixin):
                 f"of the others (looked for {', '.join(CACHE_ARGUMENTS)}): this transformers release hands the cache "
                 "over in a way this model does not know. Please report it with your transformers version."
             )
-        appended = kwargs.get("next_sequence_length") is not None
+        appended = kwargs.get("next_sequence_length") is not None and not kwargs.get("is_first_iteration")
         if appended and isinstance(cache, LinearAttentionCache) and cache.seen_tokens > 0:
             model_inputs.pop("attention_mask", None)
         return model_inputs
