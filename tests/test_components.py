@@ -207,6 +207,33 @@ def test_spe_draws_are_random_in_training_and_repeatable_in_eval():
     torch.testing.assert_close(again.eval().encode(q, positions, again.draw(), None, True), encode())
 
 
+def test_a_kept_value_is_made_again_after_any_change_of_its_source():
+    """``KeptUntilChanged`` (the Householder unit vectors, the rotations' rates, PermuteFormer's log decay, SPE's
+    seeded products): one derivation per source state and key; again after an in-place write, new data or another
+    tensor; never reused from an inference tensor; never itself an inference tensor."""
+    from lrpe_hf.modeling.kept_tensors import KeptUntilChanged
+
+    kept, made = KeptUntilChanged(), []
+
+    def get(source, key=None):
+        return kept.get((source,), lambda: made.append(key) or source * 2, key=key)
+
+    source = torch.ones(3)
+    assert get(source).tolist() == [2, 2, 2] and get(source) is get(source) and len(made) == 1
+    get(source, key="other")
+    assert len(made) == 2
+    source.add_(1)  # an optimizer step
+    assert get(source).tolist() == [4, 4, 4] and len(made) == 3
+    source.data = torch.zeros(3)  # what module.to() and a loaded state dict may do
+    assert get(source).tolist() == [0, 0, 0] and len(made) == 4
+    assert get(torch.zeros(3)).tolist() == [0, 0, 0] and len(made) == 5  # another tensor, equal values
+    with torch.inference_mode():
+        assert not get(torch.ones(3)).is_inference()  # a later training step may save it for backward
+        frozen = torch.ones(3)
+        get(frozen), get(frozen)
+    assert len(made) == 8  # no version counter to watch: made every time
+
+
 @pytest.mark.parametrize("gated", [False, True])
 def test_eval_spe_reuses_its_mixing_until_a_parameter_changes(gated):
     """Without gradients, an eval-mode draw builds sineSPE's mixing matrices once and keeps them across forwards;

@@ -1,7 +1,11 @@
-"""Small constant tensors made once and kept: the triangles of ones of the chunked prefix sums, the unit modulus of
-the rotations' ``torch.polar``. On a GPU each one made afresh is a kernel launch per call."""
+"""Tensors made once and kept. Small constants (``kept_tensor``): the triangles of ones of the chunked prefix sums,
+the unit modulus of the rotations' ``torch.polar``. Values derived from parameters that want no gradient
+(``KeptUntilChanged``): a normalised vector, a table of rates, a log of decays, SPE's seeded products. On a GPU
+each one made afresh is a kernel launch per call (or a host read)."""
 
 import torch
+
+from .gradients import version_of
 
 _KEPT = {}  # (name, dtype, device) -> the tensor
 
@@ -19,3 +23,25 @@ def kept_tensor(name: str, like: torch.Tensor, make) -> torch.Tensor:
         with torch.inference_mode(False):
             tensor = _KEPT[key] = make()
     return tensor
+
+
+class KeptUntilChanged:
+    """Values derived from some source tensors, each made once and again only after a source changes: another
+    tensor object, or the same one written in place, moved or given other data (``version_of``). Nothing is reused
+    from a source without a version (an inference tensor, a fake one). Made outside ``torch.inference_mode``: a
+    later training step may save them for backward. ``key`` tells apart values derived from the same sources.
+    Callers make the value directly where a gradient is wanted or while compiling (the compiler reads no version
+    counters, and fuses the derivation)."""
+
+    def __init__(self):
+        self.sources, self.versions, self.values = (), (), {}
+
+    def get(self, sources: tuple, derive, key=None):
+        versions = tuple(version_of(source) for source in sources)
+        same = len(sources) == len(self.sources) and all(a is b for a, b in zip(sources, self.sources))
+        if not same or None in versions or versions != self.versions:
+            self.sources, self.versions, self.values = sources, versions, {}
+        if key not in self.values:
+            with torch.inference_mode(False):
+                self.values[key] = derive()
+        return self.values[key]

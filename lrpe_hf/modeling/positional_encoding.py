@@ -29,7 +29,7 @@ import math
 
 import torch
 
-from .gradients import version_of
+from .kept_tensors import KeptUntilChanged
 from .reinitialisable import Reinitialisable
 
 
@@ -130,16 +130,12 @@ class CachedRates:
     version); None where one is wanted."""
 
     def __init__(self, convert=turn_rates):
-        self.convert, self.seen = convert, None
+        self.convert, self.kept = convert, KeptUntilChanged()
 
     def __call__(self, frequencies: torch.Tensor) -> torch.Tensor | None:
         if torch.is_grad_enabled() and frequencies.requires_grad or torch.compiler.is_compiling():
             return None
-        version = version_of(frequencies)
-        if self.seen is None or self.seen[0] is not frequencies or version is None or self.seen[1] != version:
-            with torch.inference_mode(False):  # a training step may save it for backward
-                self.seen = frequencies, version, self.convert(frequencies)
-        return self.seen[2]
+        return self.kept.get((frequencies,), lambda: self.convert(frequencies))
 
 
 def unit_coordinates(positions: torch.Tensor, axis: torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,8 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 from torch.nn import functional as F
 
-from .gradients import version_of, wants_gradient
+from .gradients import wants_gradient
+from .kept_tensors import KeptUntilChanged
 from .positional_encoding import (
     CachedRates,
     PositionalEncoding,
@@ -43,6 +44,7 @@ class HouseholderReflection(Reinitialisable):
         super().__init__()
         self.num_heads, self.dim = num_heads, dim
         self.register_initial_values(trainable={"vector": learnable})
+        self.kept_units = KeptUntilChanged()
 
     def initial_values(self):
         vector = torch.randn(self.num_heads, self.dim)
@@ -55,17 +57,14 @@ class HouseholderReflection(Reinitialisable):
         """The vectors normalised (H, m), repeated ``copies`` times along the heads: for a fixed vector, once, again
         only after it changes."""
         vector = self.vector
-        if wants_gradient(vector) or torch.compiler.is_compiling():
+
+        def units():
             unit = F.normalize(vector, dim=-1, eps=1e-6)
             return unit if copies == 1 else unit.repeat(copies, 1)
-        seen, version = getattr(self, "_unit_of", None), version_of(vector)
-        if seen is None or seen[0] is not vector or version is None or seen[1] != version:
-            self._units, self._unit_of = {}, (vector, version)
-        if copies not in self._units:
-            with torch.inference_mode(False):  # a training step may save it for backward
-                unit = F.normalize(vector, dim=-1, eps=1e-6)
-                self._units[copies] = unit if copies == 1 else unit.repeat(copies, 1)
-        return self._units[copies]
+
+        if wants_gradient(vector) or torch.compiler.is_compiling():
+            return units()
+        return self.kept_units.get((vector,), units, key=copies)
 
     def pair(self, *xs):
         """Each of xs (B, H, N, m) reflected, the unit vectors normalised once for all."""

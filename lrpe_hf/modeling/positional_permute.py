@@ -11,7 +11,8 @@ import math
 
 import torch
 
-from .gradients import version_of, wants_gradient
+from .gradients import wants_gradient
+from .kept_tensors import KeptUntilChanged
 from .positional_encoding import PositionalEncoding, distinct_rows, token_blocks
 from .reinitialisable import Reinitialisable, seeded_generator
 
@@ -157,6 +158,7 @@ class PermutePositionalEncoding(PositionalEncoding):
             [CyclicPermutations(num_heads, n, seed=2 * seed + axis) for axis, n in enumerate(self.split)]
         )
         self.register_initial_values()
+        self.kept_log_decay = KeptUntilChanged()
 
     def initial_values(self):
         if self.decay is not None:
@@ -182,12 +184,7 @@ class PermutePositionalEncoding(PositionalEncoding):
         if decays.requires_grad:
             return None if bool((decays == 1.0).all()) else decays.log()
         # fixed decays: looked at (a host read) and their log taken once, again only after they change
-        seen, version = getattr(self, "_log_decay_of", None), version_of(decays)
-        if seen is None or seen[0] is not decays or version is None or seen[1] != version:
-            with torch.inference_mode(False):  # a training step may save it for backward
-                self._log_decay = None if bool((decays == 1.0).all()) else decays.log()
-            self._log_decay_of = decays, version
-        return self._log_decay
+        return self.kept_log_decay.get((decays,), lambda: None if bool((decays == 1.0).all()) else decays.log())
 
     def encode_features(self, q, k, positions):
         if len(self.permutations) == 1:

@@ -35,6 +35,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from .gradients import version_of, wants_gradient
+from .kept_tensors import KeptUntilChanged
 from .positional_encoding import PositionalEncoding, distinct_rows, token_blocks
 from .reinitialisable import Reinitialisable
 
@@ -152,7 +153,8 @@ class SPECodes(Reinitialisable):
         super().__init__()
         self.num_heads, self.head_dim = num_heads, head_dim
         self.num_realizations, self.position_dims, self.seed = num_realizations, position_dims, seed
-        self._block_cache, self._seeded_cache, self._product_cache = {}, {}, {}
+        self._block_cache, self._seeded_cache = {}, {}
+        self.kept_products = KeptUntilChanged()
 
     def draw(self, device=None) -> SPEDraw:
         return SPEDraw(self, device or next(self.parameters()).device)
@@ -174,14 +176,7 @@ class SPECodes(Reinitialisable):
         build for every decoding step of an eval-mode model."""
         if torch.compiler.is_compiling():  # a compiled graph reads no version counters: it builds (and fuses) it
             return build()
-        parameters = list(self.parameters())
-        if any(p.is_inference() for p in parameters):  # made under inference_mode: no version counter to watch
-            return build()
-        key = tuple((p.data_ptr(), p._version) for p in parameters)
-        cached = self._product_cache.get(name)
-        if cached is None or cached[0] != key:
-            cached = self._product_cache[name] = (key, build())
-        return cached[1]
+        return self.kept_products.get(tuple(self.parameters()), build, key=name)
 
     def seeded_block(self, index: tuple, block: int, channels: tuple) -> torch.Tensor:
         """Deterministic noise of the grid block ``index`` (cached; at most 64 blocks are kept)."""
