@@ -36,6 +36,7 @@ import importlib.util
 import torch
 from torch.nn import functional as F
 
+from .kept_tensors import kept_tensor
 from .products_chunked import causal_key_sums
 
 MAX_WIDTH = 256  # the widest queries and values fla's kernels take
@@ -109,6 +110,16 @@ def even_width(x):
     return F.pad(x, (0, 1)) if x.shape[-1] % 2 else x
 
 
+def with_ones_column(v):
+    """v (..., dv) with a ones column appended, and a zero column after it where dv + 1 is odd (fla wants even
+    widths): one concatenation, where a pad with ones and a pad to an even width were two."""
+    width = 1 if v.shape[-1] % 2 else 2
+    tail = kept_tensor(
+        f"ones column {width}", v, lambda: torch.tensor([1.0, 0.0][:width], dtype=v.dtype, device=v.device)
+    )
+    return torch.cat([v, tail.expand(*v.shape[:-1], width)], dim=-1)
+
+
 def fla_causal_product(
     q, k, v, log_gates, log_decay, initial_state, resets, with_denominator: bool, dtype, kernels=None
 ):
@@ -134,8 +145,8 @@ def fla_causal_product(
         out, final = product(v, initial_state)
         return out, None, final
     if q.shape[2] == 1:  # one step: a ones column in the values, one launch
-        out, final = product(F.pad(v, (0, 1), value=1.0), initial_state)
-        return out[..., :dv], out[..., dv:], final
+        out, final = product(with_ones_column(v), initial_state)
+        return out[..., :dv], out[..., dv : dv + 1], final[..., : dv + 1]
     out, final = product(v, initial_state[..., :dv] if initial_state is not None else None)
     key_sum = initial_state[..., dv:] if initial_state is not None else None
     if log_gates is None and log_decay is None and resets is None:
@@ -147,13 +158,14 @@ def fla_causal_product(
 
 def fla_product(kernels, q, k, v, gates, initial_state, resets, m: int):
     """One product on fla's kernels: q, k (B, N, H, m') in fla's layout, m' even (m of them the keys' own);
-    v (B, H, N, dv); gates as ``fla_causal_product`` passes them; initial_state (B, H, m, dv) or None; resets (B, N)
-    bool or None. Returns out (B, H, N, dv) and the final state (B, H, m, dv) in float32."""
+    v (B, H, N, dv); gates as ``fla_causal_product`` passes them; initial_state (B, H, m, dv) or None (fewer
+    columns are filled with zeros to v's width); resets (B, N) bool or None. Returns out (B, H, N, dv) and the final
+    state (B, H, m, dv) in float32."""
     chunked, one_step = kernels
     dv = v.shape[-1]
     v = even_width(v).transpose(1, 2)  # (B, N, H, dv'), dv' even
-    padding = (0, v.shape[-1] - dv, 0, q.shape[-1] - m)  # zero rows and columns for odd widths
     if initial_state is not None:  # fla only reads it: padded, or as it is (a copy would cost a launch a step)
+        padding = (0, v.shape[-1] - initial_state.shape[-1], 0, q.shape[-1] - m)  # zero rows and columns
         initial_state = F.pad(initial_state.float(), padding) if any(padding) else initial_state.float().contiguous()
     if resets is None:
         kernel = one_step if q.shape[1] == 1 else chunked
