@@ -466,6 +466,14 @@ def test_rotation_of_queries_and_keys_has_the_gradients_of_the_written_out_rotat
     want = torch.autograd.grad(expected, inputs, grads, retain_graph=True)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w)
+    # with the rates a module keeps for fixed frequencies (rope's), handed in rather than made: the same numbers
+    from lrpe_hf.modeling.positional_encoding import turn_rates
+
+    kept = rotate_queries_and_keys(q, k, positions, theta, axis, rates=turn_rates(theta.detach()))
+    for a, b in zip(kept, ours):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    for a, b in zip(torch.autograd.grad(kept, (q, k), grads, retain_graph=True), got[:2]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
     for alone in range(2):  # only the queries' output used, then only the keys'
         got = torch.autograd.grad(ours[alone], (inputs[alone], theta), grads[alone], retain_graph=True)
         want = torch.autograd.grad(expected[alone], (inputs[alone], theta), grads[alone], retain_graph=True)
@@ -584,7 +592,7 @@ def test_unitary_lift_has_the_gradients_of_the_written_out_lift(position_dims, s
     alpha = torch.rand(H, m, dtype=torch.float64, requires_grad=True)
     axis = axis_of_each(m, position_dims)
     positions = torch.randint(0, 40, (1 if same_rows else B, N, position_dims))
-    ours = UnitaryLift.apply(q, k, positions.expand(B, -1, -1), alpha, axis)
+    ours = UnitaryLift.apply(q, k, positions.expand(B, -1, -1), alpha, axis, None)
     angles = positions.double()[:, None, :, axis] * alpha[:, None, :]  # (B', H, N, m)
     expected = [torch.cat([x * angles.cos(), x * angles.sin()], dim=-1) for x in (q, k)]
     grads = [torch.randn_like(x) for x in expected]

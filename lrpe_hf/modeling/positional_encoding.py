@@ -164,17 +164,17 @@ def unit_angles(positions: torch.Tensor, frequencies: torch.Tensor, axis: torch.
     return torch.mul(turns, 2 * math.pi, out=turns.new_empty(turns.shape, dtype=dtype))  # rounded once, as .to()
 
 
-def angle_blocks(positions, frequencies, axis, dtype, shape, block_elements):
+def angle_blocks(positions, rates, axis, dtype, shape, block_elements):
     """``(tokens, unit_angles(positions[:, tokens], ...))`` for consecutive blocks of the tokens of features of
-    ``shape`` (B, H, N, width), each holding about ``block_elements`` feature elements: on a CPU, the angles of a
-    rotation made and used a block at a time, so that neither they nor the float64 turns behind them are made
-    whole and a block's passes stay in cache. On an accelerator one block: there each block costs kernel
-    launches."""
+    ``shape`` (B, H, N, width), each holding about ``block_elements`` feature elements, from the frequencies'
+    ``turn_rates`` (H, 1, U): on a CPU, the angles of a rotation made and used a block at a time, so that neither
+    they nor the float64 turns behind them are made whole and a block's passes stay in cache. On an accelerator
+    one block: there each block costs kernel launches."""
     rows = distinct_rows(positions)
     B, H, N, width = shape
-    blocks = token_blocks(N, B * H * width, block_elements) if frequencies.is_cpu else [slice(None)]
+    blocks = token_blocks(N, B * H * width, block_elements) if rates.is_cpu else [slice(None)]
     for tokens in blocks:
-        yield tokens, unit_angles(rows[:, tokens], frequencies, axis, dtype)
+        yield tokens, unit_angles(rows[:, tokens], None, axis, dtype, rates)
 
 
 def frequency_gradient(grad_angles: torch.Tensor, positions: torch.Tensor, axis: torch.Tensor) -> torch.Tensor:

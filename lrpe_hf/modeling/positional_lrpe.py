@@ -30,6 +30,7 @@ from .positional_encoding import (
     angle_blocks,
     axis_of_each,
     frequency_gradient,
+    turn_rates,
     unit_angles,
 )
 from .positional_permute import PermutePositionalEncoding
@@ -176,7 +177,7 @@ class LRPEUnitary(PositionalEncoding):
     def encode_features(self, q, k, positions):
         q, k = apply_p(self.p, q, k)
         if wants_gradient(q, k, self.angles) and not torch.compiler.is_compiling():  # compiled: plain, fused ops
-            return UnitaryLift.apply(q, k, positions, self.angles, self.axis)
+            return UnitaryLift.apply(q, k, positions, self.angles, self.axis, self.turn_rates(self.angles))
         return lift(q, k, unit_angles(positions, self.angles, self.axis, q.dtype, self.turn_rates(self.angles)))
 
     def encode_stacked(self, x, positions):
@@ -200,7 +201,8 @@ class UnitaryLift(torch.autograd.Function):
     """[x cos, x sin] for x = q and k, (B, H, N, m) -> (B, H, N, 2m), with the angles position * alpha
     (``unit_angles`` of positions (B, N, A), alpha (H, m), axis (m,)). Saves the outputs (the attention keeps them
     anyway) and the positions: backward recomputes the angles, needs x only through the outputs, and turns the
-    angles' gradient sum grad_sin * y_cos - grad_cos * y_sin into alpha's (``frequency_gradient``).
+    angles' gradient sum grad_sin * y_cos - grad_cos * y_sin into alpha's (``frequency_gradient``). ``rates``:
+    ``turn_rates(alpha)`` where the caller keeps them (fixed angles), else made once here for both directions.
 
     Both directions work a block of tokens at a time, writing each product into its place in the output: the
     block's cos, sin and products stay in cache, and no full-size temporary (nor the concatenation) is made."""
@@ -208,29 +210,30 @@ class UnitaryLift(torch.autograd.Function):
     BLOCK_ELEMENTS = 1 << 18  # elements of x in one block (1 MB in float32)
 
     @staticmethod
-    def forward(ctx, q, k, positions, alpha, axis):
+    def forward(ctx, q, k, positions, alpha, axis, rates):
         m = alpha.shape[-1]
         lifted = [x.new_empty(*x.shape[:-1], 2 * m) for x in (q, k)]
-        blocks = angle_blocks(positions, alpha.detach(), axis, q.dtype, q.shape, UnitaryLift.BLOCK_ELEMENTS)
+        rates = turn_rates(alpha.detach()) if rates is None else rates
+        blocks = angle_blocks(positions, rates, axis, q.dtype, q.shape, UnitaryLift.BLOCK_ELEMENTS)
         for tokens, angles in blocks:
             cos, sin = angles.cos().to(q.dtype), angles.sin().to(q.dtype)
             for x, y in zip((q, k), lifted):
                 torch.mul(x[:, :, tokens], cos, out=y[:, :, tokens, :m])
                 torch.mul(x[:, :, tokens], sin, out=y[:, :, tokens, m:])
-        ctx.save_for_backward(*lifted, positions, alpha, axis)
+        ctx.save_for_backward(*lifted, positions, alpha, axis, rates)
         return tuple(lifted)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_q, grad_k):
-        *lifted, positions, alpha, axis = ctx.saved_tensors
+        *lifted, positions, alpha, axis, rates = ctx.saved_tensors
         m, dtype = alpha.shape[-1], lifted[0].dtype
         grads = [None if g is None else y.new_empty(*y.shape[:-1], m) for y, g in zip(lifted, (grad_q, grad_k))]
         terms = [(y, g, grad_x) for y, g, grad_x in zip(lifted, (grad_q, grad_k), grads) if g is not None]
         want_alpha = ctx.needs_input_grad[3]
         grad_angles = lifted[0].new_empty(*lifted[0].shape[:-1], m) if want_alpha else None
         shape = terms[0][2].shape
-        for tokens, angles in angle_blocks(positions, alpha.detach(), axis, dtype, shape, UnitaryLift.BLOCK_ELEMENTS):
+        for tokens, angles in angle_blocks(positions, rates, axis, dtype, shape, UnitaryLift.BLOCK_ELEMENTS):
             cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
             for index, (y, grad, grad_x) in enumerate(terms):
                 grad_cos, grad_sin = grad[:, :, tokens, :m], grad[:, :, tokens, m:]
@@ -244,7 +247,7 @@ class UnitaryLift(torch.autograd.Function):
                         slope.addcmul_(grad_sin, along_cos)
                     slope.addcmul_(grad_cos, along_sin, value=-1)
         grad_alpha = frequency_gradient(grad_angles, positions, axis).to(alpha.dtype) if want_alpha else None
-        return *grads, None, grad_alpha, None
+        return *grads, None, grad_alpha, None, None
 
 
 class LRPEOrthogonal(PositionalEncoding):

@@ -16,6 +16,7 @@ from .positional_encoding import (
     axis_of_each,
     frequency_gradient,
     radian_rates,
+    turn_rates,
     unit_angles,
     unit_coordinates,
     units_per_axis,
@@ -137,7 +138,8 @@ class RotateQueriesAndKeys(torch.autograd.Function):
     """The pair rotation of q and k (any float dtype) by the angles position * theta (``unit_angles`` of
     positions (B, N, A), theta (H, P), axis (P,)), saving only the rotated outputs (the attention saves them too)
     and the positions: backward recomputes the angles, turns the gradient back by -angle, and gives theta's
-    gradient from the angles', Im(conj(y) grad) for each rotated pair y (``frequency_gradient``).
+    gradient from the angles', Im(conj(y) grad) for each rotated pair y (``frequency_gradient``). ``rates``:
+    ``turn_rates(theta)`` where the caller keeps them (fixed frequencies), else made once here for both directions.
 
     Both directions work a block of tokens at a time (``angle_blocks``): the block's angles, factors and products
     stay in cache, and each result is written into its place in the output, which keeps its input's layout."""
@@ -145,20 +147,21 @@ class RotateQueriesAndKeys(torch.autograd.Function):
     BLOCK_ELEMENTS = 1 << 18  # feature elements of one block (1 MB in float32)
 
     @staticmethod
-    def forward(ctx, q, k, positions, theta, axis):
+    def forward(ctx, q, k, positions, theta, axis, rates):
         rotated = [torch.empty_like(x) for x in (q, k)]
-        blocks = angle_blocks(positions, theta.detach(), axis, q.dtype, q.shape, RotateQueriesAndKeys.BLOCK_ELEMENTS)
+        rates = turn_rates(theta.detach()) if rates is None else rates
+        blocks = angle_blocks(positions, rates, axis, q.dtype, q.shape, RotateQueriesAndKeys.BLOCK_ELEMENTS)
         for tokens, angles in blocks:
             factor = unit_factors(angles, q.dtype)
             for x, y in zip((q, k), rotated):
                 multiply_pairs(x[:, :, tokens], factor, out=y[:, :, tokens])
-        ctx.save_for_backward(*rotated, positions, theta, axis)
+        ctx.save_for_backward(*rotated, positions, theta, axis, rates)
         return tuple(rotated)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_q, grad_k):
-        *rotated, positions, theta, axis = ctx.saved_tensors
+        *rotated, positions, theta, axis, rates = ctx.saved_tensors
         num_pairs, dtype = theta.shape[-1], rotated[0].dtype
         grads = [None if g is None else torch.empty_like(g) for g in (grad_q, grad_k)]
         terms = [(y, g, grad_x) for y, g, grad_x in zip(rotated, (grad_q, grad_k), grads) if g is not None]
@@ -166,7 +169,7 @@ class RotateQueriesAndKeys(torch.autograd.Function):
         wide = torch.promote_types(dtype, torch.float32)  # the angles' gradient, as the product, at least float32
         grad_angles = rotated[0].new_empty(*rotated[0].shape[:-1], num_pairs, dtype=wide) if want_theta else None
         shape = terms[0][2].shape
-        for tokens, angles in angle_blocks(positions, theta, axis, dtype, shape, RotateQueriesAndKeys.BLOCK_ELEMENTS):
+        for tokens, angles in angle_blocks(positions, rates, axis, dtype, shape, RotateQueriesAndKeys.BLOCK_ELEMENTS):
             inverse = unit_factors(-angles, dtype)  # the rotation is orthogonal: its transpose turns back
             for index, (y, grad, grad_x) in enumerate(terms):
                 block = grad[:, :, tokens]
@@ -180,7 +183,7 @@ class RotateQueriesAndKeys(torch.autograd.Function):
         grad_theta = None
         if want_theta:
             grad_theta = frequency_gradient(grad_angles, positions, axis).to(theta.dtype)
-        return *grads, None, grad_theta, None
+        return *grads, None, grad_theta, None, None
 
 
 def rotate_queries_and_keys(q, k, positions, theta, axis, rates=None, radians=None):
@@ -195,7 +198,7 @@ def rotate_queries_and_keys(q, k, positions, theta, axis, rates=None, radians=No
         cos, sin = angles.cos().to(q.dtype), angles.sin().to(q.dtype)
         return rotate_pairs(q, cos, sin), rotate_pairs(k, cos, sin)
     if wants_gradient(q, k, theta):
-        return RotateQueriesAndKeys.apply(q, k, positions, theta, axis)
+        return RotateQueriesAndKeys.apply(q, k, positions, theta, axis, rates)
     if few_angles(positions, theta):
         return rotate_few(q, k, positions, theta, axis, radians)
     return rotate_by_angles(q, k, unit_angles(positions, theta, axis, q.dtype, rates))
