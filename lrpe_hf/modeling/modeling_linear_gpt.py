@@ -183,11 +183,11 @@ class LinearGPTForCausalLM(LinearGPTPreTrainedModel, GenerationMixin):
 
         A decoding step, one that feeds tokens ``generate`` itself appended (it then passes ``next_sequence_length``,
         and no ``is_first_iteration``, which its prompt's calls pass, continuing a cache or not) after a cache has
-        taken the prompt, goes without the attention mask: generate's mask is ones for every token
-        it appends, the prompt's padding is already summarised in the cache's state, and each row's positions
-        continue from the real tokens the cache counted, as the mask would give them. The layers then take their
-        every-token-real path, the one the benchmarks time (a mask, even of ones, takes the masked path: more ops
-        per layer and step)."""
+        taken the prompt, goes without the attention mask: generate's mask is ones for every token it appends, the
+        prompt's padding is already summarised in the cache's state, and each row's positions continue from the
+        real tokens the cache counted, as the mask would give them. The layers then take their every-token-real
+        path, the one the benchmarks time (a mask, even of ones, takes the masked path: more ops per layer and
+        step)."""
         given_positions = kwargs.get("position_ids") is not None
         model_inputs = super().prepare_inputs_for_generation(input_ids, **kwargs)
         if not given_positions:
