@@ -182,13 +182,17 @@ class LRPEUnitary(PositionalEncoding):
 
     def encode_stacked(self, x, positions):
         """q and k stacked along the heads, x (B, 2H, N, m) -> (B, 2H, N, 2m): P once, and each of cos and sin
-        multiplies both halves in one product."""
+        multiplies both halves in one product, written into its half of the output (no concatenation)."""
         if wants_gradient(x, self.angles):
             return super().encode_stacked(x, positions)
         angles = unit_angles(positions, self.angles, self.axis, x.dtype, self.turn_rates(self.angles))
         cos, sin = angles.cos().to(x.dtype)[:, None], angles.sin().to(x.dtype)[:, None]  # (B', 1, H, N, m)
         pairs = apply_p_stacked(self.p, x).unflatten(1, (2, -1))  # (B, 2, H, N, m): queries, then keys
-        return torch.cat([pairs * cos, pairs * sin], dim=-1).flatten(1, 2)
+        m = pairs.shape[-1]
+        lifted = pairs.new_empty(*pairs.shape[:-1], 2 * m)
+        torch.mul(pairs, cos, out=lifted[..., :m])
+        torch.mul(pairs, sin, out=lifted[..., m:])
+        return lifted.flatten(1, 2)
 
 
 def lift(q, k, angles):
