@@ -1,5 +1,6 @@
 """LinearGPT generation: recurrent cache, incremental == full forward, padding, strategies, unsupported modes."""
 
+import contextlib
 import copy
 
 import pytest
@@ -29,6 +30,28 @@ def model_with(encoding="lrpe_orthogonal", **kw):
 
 def prompt(batch=2, tokens=7, seed=0):
     return torch.randint(3, 60, (batch, tokens), generator=torch.Generator().manual_seed(seed))
+
+
+def left_padded_batch(padding: int, short: int, long: int):
+    """Two prompts as one batch, (2, long) ids and mask: ``short`` tokens after ``padding`` masked pad tokens, and
+    ``long`` tokens (padding + short == long)."""
+    ids = torch.cat([torch.cat([torch.zeros(1, padding, dtype=torch.long), prompt(1, short)], dim=1), prompt(1, long)])
+    mask = torch.ones_like(ids)
+    mask[0, :padding] = 0
+    return ids, mask
+
+
+@contextlib.contextmanager
+def forward_argument(model, name: str):
+    """The list of the ``name`` argument of every forward call of ``model`` while inside (None where not given)."""
+    given = []
+    hook = model.register_forward_pre_hook(
+        lambda module, args, kwargs: given.append(kwargs.get(name)), with_kwargs=True
+    )
+    try:
+        yield given
+    finally:
+        hook.remove()
 
 
 @pytest.mark.parametrize("attention", ["linear", "softmax"])
@@ -68,22 +91,16 @@ def test_generate_hands_the_mask_to_the_prefill_only():
     """generate's mask is ones for the tokens it appends: its decoding steps go without one (the layers' every-token-
     real path); the prompt's call keeps it, and so does a call that continues a cache with a new, padded piece."""
     model = model_with("permute")
-    ids = torch.cat([torch.cat([torch.zeros(1, 3, dtype=torch.long), prompt(batch=1, tokens=4)], dim=1), prompt(1, 7)])
-    mask = torch.ones_like(ids)
-    mask[0, :3] = 0
-    given = []
-    hook = model.register_forward_pre_hook(
-        lambda module, args, kwargs: given.append(kwargs.get("attention_mask")), with_kwargs=True
-    )
+    ids, mask = left_padded_batch(3, 4, 7)
     cache = LinearAttentionCache(model.config.num_hidden_layers)
-    out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=4, do_sample=False)
+    with forward_argument(model, "attention_mask") as given:
+        out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=4, do_sample=False)
     assert len(given) == 4 and given[0] is not None and given[0].shape == (2, 7)
     assert all(m is None for m in given[1:])
-    given.clear()
     more = torch.cat([out, torch.tensor([[0, 0, 5], [6, 7, 8]])], dim=1)
     more_mask = torch.cat([mask, torch.ones(2, 4, dtype=torch.long), torch.tensor([[0, 0, 1], [1, 1, 1]])], dim=1)
-    model.generate(more, attention_mask=more_mask, past_key_values=cache, max_new_tokens=2, do_sample=False)
-    hook.remove()
+    with forward_argument(model, "attention_mask") as given:
+        model.generate(more, attention_mask=more_mask, past_key_values=cache, max_new_tokens=2, do_sample=False)
     assert len(given) == 2 and given[0] is not None and given[1] is None
 
 
@@ -297,15 +314,9 @@ def test_generate_leaves_positions_to_the_model_and_generates_the_same_compiled(
     """generate passes no position_ids (the model's defaults, counted from the mask, are the ones it would build),
     so each step skips the search for packed documents; a compiled forward generates what eager does."""
     model = model_with("rope")
-    ids = torch.cat([torch.cat([torch.zeros(1, 2, dtype=torch.long), prompt(batch=1, tokens=4)], dim=1), prompt(1, 6)])
-    mask = torch.ones_like(ids)
-    mask[0, :2] = 0
-    given = []
-    hook = model.register_forward_pre_hook(
-        lambda module, args, kwargs: given.append(kwargs.get("position_ids")), with_kwargs=True
-    )
-    expected = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
-    hook.remove()
+    ids, mask = left_padded_batch(2, 4, 6)
+    with forward_argument(model, "position_ids") as given:
+        expected = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
     assert len(given) == 6 and all(positions is None for positions in given)
     torch._dynamo.reset()
     model.forward = torch.compile(model.forward, backend="eager")
