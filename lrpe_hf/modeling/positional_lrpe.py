@@ -188,17 +188,24 @@ class LRPEUnitary(PositionalEncoding):
         angles = unit_angles(positions, self.angles, self.axis, x.dtype, self.turn_rates(self.angles))
         cos, sin = angles.cos().to(x.dtype)[:, None], angles.sin().to(x.dtype)[:, None]  # (B', 1, H, N, m)
         pairs = apply_p_stacked(self.p, x).unflatten(1, (2, -1))  # (B, 2, H, N, m): queries, then keys
-        m = pairs.shape[-1]
-        lifted = pairs.new_empty(*pairs.shape[:-1], 2 * m)
-        torch.mul(pairs, cos, out=lifted[..., :m])
-        torch.mul(pairs, sin, out=lifted[..., m:])
+        lifted = lift_into(pairs, cos, sin, pairs.new_empty(*pairs.shape[:-1], 2 * pairs.shape[-1]))
         return lifted.flatten(1, 2)
 
 
 def lift(q, k, angles):
-    """[x cos, x sin] for x = q and k: (B, H, N, m) -> (B, H, N, 2m), with ``angles`` (B', H, N, m)."""
+    """[x cos, x sin] for x = q and k: (B, H, N, m) -> (B, H, N, 2m), with ``angles`` (B', H, N, m). Plain ops
+    (autograd and the compiler take them)."""
     cos, sin = angles.cos().to(q.dtype), angles.sin().to(q.dtype)
     return torch.cat([q * cos, q * sin], dim=-1), torch.cat([k * cos, k * sin], dim=-1)
+
+
+def lift_into(x, cos, sin, out):
+    """[x cos, x sin] written into ``out`` (..., 2m), each product into its half (no concatenation), for x (..., m);
+    without gradient."""
+    m = x.shape[-1]
+    torch.mul(x, cos, out=out[..., :m])
+    torch.mul(x, sin, out=out[..., m:])
+    return out
 
 
 class UnitaryLift(torch.autograd.Function):
@@ -222,8 +229,7 @@ class UnitaryLift(torch.autograd.Function):
         for tokens, angles in blocks:
             cos, sin = angles.cos().to(q.dtype), angles.sin().to(q.dtype)
             for x, y in zip((q, k), lifted):
-                torch.mul(x[:, :, tokens], cos, out=y[:, :, tokens, :m])
-                torch.mul(x[:, :, tokens], sin, out=y[:, :, tokens, m:])
+                lift_into(x[:, :, tokens], cos, sin, y[:, :, tokens])
         ctx.save_for_backward(*lifted, positions, alpha, axis, rates)
         return tuple(lifted)
 
