@@ -234,6 +234,32 @@ def test_a_kept_value_is_made_again_after_any_change_of_its_source():
     assert len(made) == 8  # no version counter to watch: made every time
 
 
+def test_a_value_kept_for_an_input_is_taken_by_every_view_of_it_until_it_changes():
+    """``KeptForInput`` (the positions' rotation factors, shared by the layers): views of one tensor viewed the same
+    way take the value made first; another key, another view, an in-place write, another tensor with the same
+    values, an inference tensor each make it again; the value is never an inference tensor."""
+    from lrpe_hf.modeling.kept_tensors import KeptForInput
+
+    kept, made = KeptForInput(), []
+
+    def get(tensor, key=None):
+        return kept.get(tensor, key, lambda: made.append(key) or tensor * 2)
+
+    ids = torch.arange(6)[None]
+    first = get(ids[..., None])
+    assert get(ids[..., None]) is first and get(ids.expand(1, -1)[..., None]) is first and len(made) == 1
+    get(ids[..., None], key="other"), get(ids[:, :3, None])
+    assert len(made) == 3
+    ids.add_(1)
+    assert get(ids[..., None]).flatten().tolist() == [2, 4, 6, 8, 10, 12] and len(made) == 4
+    get(torch.arange(1, 7)[None, :, None])
+    assert len(made) == 5
+    with torch.inference_mode():
+        frozen = torch.arange(6)
+        get(frozen), get(frozen)
+        assert len(made) == 7 and not get(ids[..., None], key="in inference mode").is_inference()
+
+
 @pytest.mark.parametrize("gated", [False, True])
 def test_eval_spe_reuses_its_mixing_until_a_parameter_changes(gated):
     """Without gradients, an eval-mode draw builds sineSPE's mixing matrices once and keeps them across forwards;
@@ -481,6 +507,67 @@ def test_rotation_of_queries_and_keys_has_the_gradients_of_the_written_out_rotat
             torch.testing.assert_close(g, w)
 
 
+def test_layers_with_fixed_frequencies_share_one_rotation_of_their_positions(monkeypatch):
+    """RoPE's fixed frequencies: the layers of a forward pass, each with its own view of the model's positions,
+    take the rotation factors the first layer made (one derivation for a whole train step, eval pass or decoding
+    step), and each layer's rotation and gradients are the written-out 2x2 rotation's. A layer with other
+    frequencies, positions written in place, or other positions with the same values get factors of their own."""
+    from lrpe_hf.modeling import positional_rope
+    from lrpe_hf.modeling.positional_rope import RotaryPositionalEncoding
+
+    made = []
+
+    def counted(derive):
+        return lambda *args: made.append(1) or derive(*args)
+
+    for name in ("unit_factors", "few_factors"):  # the derivations of the factors: full, and a decoding step's
+        monkeypatch.setattr(positional_rope, name, counted(getattr(positional_rope, name)))
+    torch.manual_seed(0)
+    layers = [RotaryPositionalEncoding(num_heads=3, feature_dim=8).double() for _ in range(3)]
+    position_ids = torch.arange(7, 47)[None].expand(2, -1)  # (B, N): what a model hands every layer
+
+    def views():  # each layer's own (B, N, 1) view, as the attention takes it
+        return position_ids[..., None].expand(2, -1, -1)
+
+    def written_out(x, positions, layer=layers[0]):  # the layer's ladder as stored (float32, then float64)
+        theta = layer.frequencies[0]
+        angles = positions[..., 0, None].double()[:, None] * theta  # (B, 1, N, 4)
+        even, odd = x[..., 0::2], x[..., 1::2]
+        cos, sin = angles.cos(), angles.sin()
+        return torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1).flatten(-2)
+
+    q, k = (torch.randn(2, 3, 40, 8, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    grads = [torch.randn(2, 3, 40, 8, dtype=torch.float64) for _ in range(2)]
+    for layer in layers:  # a train step: forward and backward through every layer
+        ours = layer.encode_features(q, k, views())
+        expected = [written_out(x, views()) for x in (q, k)]
+        for got, want in zip(ours, expected):
+            torch.testing.assert_close(got, want)
+        got = torch.autograd.grad(ours, (q, k), grads)
+        for g, w in zip(got, torch.autograd.grad(expected, (q, k), grads)):
+            torch.testing.assert_close(g, w)
+    assert len(made) == 1
+    with torch.no_grad():  # an evaluation, then a decoding step's few angles
+        for layer in layers:
+            for got, want in zip(layer.encode_features(q, k, views()), (written_out(x, views()) for x in (q, k))):
+                torch.testing.assert_close(got, want)
+        last = position_ids[:, -1:]
+        for layer in layers:
+            step = layer.encode_features(q[:, :, -1:], k[:, :, -1:], last[..., None])
+            torch.testing.assert_close(step[0], written_out(q, views())[:, :, -1:])
+        assert len(made) == 3
+        other = RotaryPositionalEncoding(num_heads=3, feature_dim=8, base=100.0).double()
+        torch.testing.assert_close(other.encode_features(q, k, views())[0], written_out(q, views(), other))
+        position_ids = position_ids.clone()
+        for layer in layers[:2]:
+            layer.encode_features(q, k, views())
+        position_ids[1].add_(5)  # written in place: the same tensor, other values
+        torch.testing.assert_close(layers[2].encode_features(q, k, views())[0], written_out(q, views()))
+        position_ids = position_ids.clone()  # equal values, another tensor: made again, not read on the host
+        layers[0].encode_features(q, k, views())
+    assert len(made) == 7
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_rotation_is_the_float64_rotation_rounded_once(dtype):
     """Half-precision q and k are rotated as complex products in float32 and rounded once into their dtype (the
@@ -538,10 +625,11 @@ def test_half_precision_rotation_is_the_float64_rotation_rounded_once(dtype):
 
 @pytest.mark.parametrize("position_dims", [1, 2])
 def test_a_decoding_steps_rotation_matches_the_turn_reduced_rotation_far_out(position_dims, monkeypatch):
-    """A decoding step's few angles take ``rotate_few`` (unreduced float64 angles, one polar, products rounded once);
-    every other no-gradient call reduces the angles in turns first (``unit_angles``). At positions near 10^6, in
-    float64 features, the two agree to 1e-9; in float32 each output is the float64 rotation rounded once (within
-    half a float32 ulp of it); and the encoding's own call takes ``rotate_few`` for one token, not for many."""
+    """A decoding step's few angles take ``rotate_few``'s factors (unreduced float64 angles, one polar, products
+    rounded once); every other no-gradient call reduces the angles in turns first (``unit_angles``). At positions
+    near 10^6, in float64 features, the two agree to 1e-9; in float32 each output is the float64 rotation rounded
+    once (within half a float32 ulp of it); and the encoding's own call takes those factors (``few_factors``) for
+    one token, not for many."""
     from lrpe_hf.modeling import positional_rope
     from lrpe_hf.modeling.positional_encoding import axis_of_each, unit_angles
 
@@ -561,13 +649,13 @@ def test_a_decoding_steps_rotation_matches_the_turn_reduced_rotation_far_out(pos
         rounded = want.float()
         half_ulp = (torch.nextafter(rounded.abs(), torch.tensor(float("inf"))) - rounded.abs()).double() / 2
         assert ((got.double() - want).abs() <= half_ulp * 1.001 + 1e-12).all()
-    calls = []
-    monkeypatch.setattr(positional_rope, "rotate_few", lambda *a: calls.append(a) or a[:2])
+    calls, few_factors = [], positional_rope.few_factors
+    monkeypatch.setattr(positional_rope, "few_factors", lambda *a: calls.append(a) or few_factors(*a))
     encoding = positional_rope.RotaryPositionalEncoding(2, 16, position_dims=position_dims)
     q16, k16 = q[..., :16], k[..., :16]
     with torch.no_grad():
         encoding.encode_features(q16, k16, positions)
-        assert len(calls) == 1 and calls[0][4] is encoding.axis  # one token a row: the few-angle path
+        assert len(calls) == 1 and torch.equal(calls[0][2], encoding.axis)  # one token a row: the few-angle path
         many = torch.randint(0, 1000, (1, 4096, position_dims))
         assert not positional_rope.few_angles(many, theta)
         encoding.encode_features(torch.randn(1, 2, 4096, 16), torch.randn(1, 2, 4096, 16), many)

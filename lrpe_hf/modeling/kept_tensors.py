@@ -1,7 +1,10 @@
 """Tensors made once and kept. Small constants (``kept_tensor``): the triangles of ones of the chunked prefix sums,
 the unit modulus of the rotations' ``torch.polar``. Values derived from parameters that want no gradient
-(``KeptUntilChanged``): a normalised vector, a table of rates, a log of decays, SPE's seeded products. On a GPU
-each one made afresh is a kernel launch per call (or a host read)."""
+(``KeptUntilChanged``): a normalised vector, a table of rates, a log of decays, SPE's seeded products. Values derived
+from an input that every layer of a forward pass receives (``KeptForInput``): fixed rotations of the positions. On a
+GPU each one made afresh is a kernel launch per call (or a host read)."""
+
+import weakref
 
 import torch
 
@@ -45,3 +48,30 @@ class KeptUntilChanged:
             with torch.inference_mode(False):
                 self.values[key] = derive()
         return self.values[key]
+
+
+class KeptForInput:
+    """One value derived from an input tensor that each layer of a forward pass receives as its own view (the
+    positions, each layer's view of the model's ``position_ids``): made by the first layer, taken by the others. The
+    input is the same while its root tensor (the one all views share, held by a weak reference) is the same object,
+    unchanged since (``version_of``) and viewed the same way (shape, strides, offset); ``key`` tells apart values
+    derived from it. One value is kept at a time, the last one made, so a model's next forward pass replaces it.
+    Made afresh and not kept while compiling, for an inference tensor (no version counter) and for a tensor
+    subclass; made outside ``torch.inference_mode`` (a later training step may save it for backward)."""
+
+    def __init__(self):
+        self.entry = None  # (weak reference to the root, its version, the view and the key, the value)
+
+    def get(self, tensor: torch.Tensor, key, derive):
+        root = tensor if tensor._base is None else tensor._base
+        version = None if torch.compiler.is_compiling() or type(tensor) is not torch.Tensor else version_of(root)
+        if version is None:
+            return derive()
+        view = (tuple(tensor.shape), tensor.stride(), tensor.storage_offset(), key)
+        entry = self.entry
+        if entry is not None and entry[0]() is root and entry[1] == version and entry[2] == view:
+            return entry[3]
+        with torch.inference_mode(False):
+            value = derive()
+        self.entry = (weakref.ref(root), version, view, value)
+        return value

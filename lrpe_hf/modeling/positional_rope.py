@@ -4,11 +4,13 @@ Feature pairs (2i, 2i+1) are rotated by the angle s * theta_i with theta_i = bas
 half of the pairs follows the row and the second half the column, each half with its own frequency ladder.
 """
 
+from typing import NamedTuple
+
 import torch
 from torch.autograd.function import once_differentiable
 
 from .gradients import wants_gradient
-from .kept_tensors import kept_tensor
+from .kept_tensors import KeptForInput, KeptUntilChanged, kept_tensor
 from .positional_encoding import (
     CachedRates,
     PositionalEncoding,
@@ -112,12 +114,11 @@ def rotate_few(q, k, positions, theta, axis, radians=None):
     return tuple(multiply_pairs(x, factor, out=torch.empty_like(x)) for x in (q, k))
 
 
-def rotate_stacked_few(x, positions, theta, axis, radians=None):
-    """``rotate_few`` of q and k stacked along the heads, x (B, 2H, N, m) (the queries' heads first): one product
-    for both."""
-    factor = few_factors(positions, theta, axis, radians)[:, None]  # (B', 1, H, N, P): the same for q and k
+def rotate_stacked(x, factor):
+    """q and k stacked along the heads, x (B, 2H, N, m) (the queries' heads first), rotated by ``factor``
+    (B', H or 1, N, P) complex, without gradient: one product for both, rounded once into x's dtype."""
     pairs = x.unflatten(1, (2, -1))  # (B, 2, H, N, m)
-    return multiply_pairs(pairs, factor, out=torch.empty_like(pairs)).flatten(1, 2)
+    return multiply_pairs(pairs, factor[:, None], out=torch.empty_like(pairs)).flatten(1, 2)
 
 
 def few_factors(positions, theta, axis, radians=None):
@@ -186,6 +187,75 @@ class RotateQueriesAndKeys(torch.autograd.Function):
         return *grads, None, grad_theta, None, None
 
 
+class RotateByFactor(torch.autograd.Function):
+    """The pair rotation of q and k (B, H, N, m) by a factor exp(i angle) (B', H or 1, N, P) complex that wants no
+    gradient (fixed frequencies), given with its conjugate for backward: nothing else is saved and no angle is
+    recomputed. The layers of a model share both (``shared_factors``)."""
+
+    @staticmethod
+    def forward(ctx, q, k, factor, inverse):
+        ctx.save_for_backward(inverse)
+        return tuple(multiply_pairs(x, factor, out=torch.empty_like(x)) for x in (q, k))
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_q, grad_k):
+        (inverse,) = ctx.saved_tensors  # the rotation is orthogonal: its transpose turns back
+        grads = [None if g is None else multiply_pairs(g, inverse, out=torch.empty_like(g)) for g in (grad_q, grad_k)]
+        return *grads, None, None
+
+
+class FixedRates(NamedTuple):
+    """The rates of fixed frequencies, float64 (H or 1, 1, U), in turns and in radians per unit of position, with
+    their axes (U,): one row where every head has the same ladder (RoPE's), so that a factor is made once for all
+    heads. ``index`` names the values: layers holding equal frequencies share their rotations' factors."""
+
+    turns: torch.Tensor
+    radians: torch.Tensor
+    axis: torch.Tensor
+    index: int
+
+
+_FIXED_RATES = {}  # the values of fixed frequencies and axes -> their FixedRates, one object for every layer
+
+
+def fixed_rates(frequencies: torch.Tensor, axis: torch.Tensor) -> FixedRates:
+    """The ``FixedRates`` of frequencies (H, U) with axes (U,): their values read on the host (once per change of
+    the frequencies, by the caller's ``KeptUntilChanged``)."""
+    rows = frequencies[:1] if bool((frequencies == frequencies[:1]).all()) else frequencies
+    values = (tuple(rows.shape), tuple(rows.flatten().tolist()), tuple(axis.tolist()), rows.dtype, rows.device)
+    if values not in _FIXED_RATES:
+        _FIXED_RATES[values] = FixedRates(turn_rates(rows), radian_rates(rows), axis.clone(), len(_FIXED_RATES))
+    return _FIXED_RATES[values]
+
+
+SHARED_FACTORS = KeptForInput()  # the last positions' factors: made by a model's first layer, taken by the others
+
+
+def shared_factors(positions, rates: FixedRates, dtype, few: bool, inverse: bool):
+    """(exp(i position * theta) (B', H or 1, N, U), its conjugate or None) for features of ``dtype``: made by the
+    first layer that rotates these positions (B, N, A) and taken by the other layers with the same frequencies. The
+    conjugate only with ``inverse`` (for backward). ``few``: a decoding step's few angles, complex128 formed from the
+    radian rates and left unreduced (``few_factors``), else ``unit_angles``' factors."""
+
+    def derive():
+        if few:
+            return few_factors(positions, None, rates.axis, rates.radians), None
+        factor = unit_factors(unit_angles(positions, None, rates.axis, dtype, rates.turns), dtype)
+        return factor, factor.conj_physical() if inverse else None
+
+    return SHARED_FACTORS.get(positions, (rates.index, dtype, few, inverse), derive)
+
+
+def rotate_by_fixed(q, k, positions, rates: FixedRates, few: bool):
+    """q and k (B, H, N, m) rotated by fixed frequencies' ``shared_factors``, each product rounded once into their
+    dtype; through ``RotateByFactor`` where a gradient is wanted. ``few``: a decoding step's few angles."""
+    if wants_gradient(q, k):
+        return RotateByFactor.apply(q, k, *shared_factors(positions, rates, q.dtype, few=False, inverse=True))
+    factor, _ = shared_factors(positions, rates, q.dtype, few, inverse=False)
+    return tuple(multiply_pairs(x, factor, out=torch.empty_like(x)) for x in (q, k))
+
+
 def rotate_queries_and_keys(q, k, positions, theta, axis, rates=None, radians=None):
     """q and k (B, H, N, m) with their feature pairs rotated by the angles position * theta (positions (B, N, A),
     theta (H, P), axis (P,) the position axis of each pair; ``rates`` and ``radians``: theta's ``turn_rates`` and
@@ -212,7 +282,8 @@ def rotary_frequencies(num_units: int, base: float, position_dims: int) -> torch
 
 class RotaryPositionalEncoding(PositionalEncoding):
     """Block-diagonal 2x2 rotations R_s of the features. ``learnable`` turns the angles into parameters
-    (LRPE's orthogonal solution); otherwise they are RoPE's fixed ladder."""
+    (LRPE's orthogonal solution); otherwise they are RoPE's fixed ladder, whose rotation of a forward pass's
+    positions every layer shares (``shared_factors``)."""
 
     def __init__(
         self, num_heads: int, feature_dim: int, base: float = 10000.0, position_dims: int = 1, learnable: bool = False
@@ -221,6 +292,7 @@ class RotaryPositionalEncoding(PositionalEncoding):
         self.num_heads, self.num_pairs, self.base, self.position_dims = num_heads, feature_dim // 2, base, position_dims
         self.register_initial_values(trainable={"frequencies": True} if learnable else {})
         self.turn_rates, self.radian_rates = CachedRates(), CachedRates(radian_rates)
+        self.kept_fixed_rates = KeptUntilChanged()
 
     def initial_values(self):
         frequencies = rotary_frequencies(self.num_pairs, self.base, self.position_dims).repeat(self.num_heads, 1)
@@ -230,7 +302,18 @@ class RotaryPositionalEncoding(PositionalEncoding):
     def from_options(cls, options, num_heads, head_dim, feature_dim):
         return cls(num_heads, feature_dim, options.rope_base, options.position_dims)
 
+    def fixed_rates(self) -> FixedRates | None:
+        """The frequencies' ``FixedRates`` where they are fixed (they require no gradient: RoPE's), outside
+        compilation (which fuses the factors' derivation into each layer); None otherwise."""
+        frequencies, axis = self.frequencies, self.axis
+        if frequencies.requires_grad or torch.compiler.is_compiling():
+            return None
+        return self.kept_fixed_rates.get((frequencies, axis), lambda: fixed_rates(frequencies, axis))
+
     def encode_features(self, q, k, positions):
+        fixed = self.fixed_rates() if k.dtype == q.dtype else None
+        if fixed is not None:
+            return rotate_by_fixed(q, k, positions, fixed, few_angles(positions, self.frequencies))
         rates = self.turn_rates(self.frequencies)
         radians = self.radian_rates(self.frequencies)
         return rotate_queries_and_keys(q, k, positions, self.frequencies, self.axis, rates, radians)
@@ -238,4 +321,9 @@ class RotaryPositionalEncoding(PositionalEncoding):
     def encode_stacked(self, x, positions):
         if wants_gradient(x, self.frequencies) or not few_angles(positions, self.frequencies):
             return super().encode_stacked(x, positions)
-        return rotate_stacked_few(x, positions, self.frequencies, self.axis, self.radian_rates(self.frequencies))
+        fixed = self.fixed_rates()
+        if fixed is not None:
+            factor, _ = shared_factors(positions, fixed, x.dtype, few=True, inverse=False)
+        else:
+            factor = few_factors(positions, self.frequencies, self.axis, self.radian_rates(self.frequencies))
+        return rotate_stacked(x, factor)
