@@ -408,7 +408,7 @@ class StandInKernel(torch.autograd.Function):
     profiler range that counts as fla's launches (``STAND_IN_PREFIX``), the stand-in's own ops not counted."""
 
     @staticmethod
-    def forward(ctx, reference, launches, q, k, v, g, g_gamma, initial_state):
+    def forward(ctx, reference, launches, q, k, v, g, g_gamma, initial_state, output_final_state=True):
         ctx.reference, ctx.launches = reference, launches
         ctx.save_for_backward(q, k, v, g, g_gamma, initial_state)
         STAND_IN_CALLS.append((reference.__name__, "forward", tuple(q.shape), v.shape[-1]))
@@ -416,13 +416,14 @@ class StandInKernel(torch.autograd.Function):
             _inside_stand_in[0] += 1
             try:
                 out, final = reference(q, k, v, gates(q, g, g_gamma), initial_state)
-                return out.to(q.dtype), final  # fla returns its output in q's dtype
+                # fla returns its output in q's dtype, and no final state unless asked for one
+                return out.to(q.dtype), final if output_final_state else None
             finally:
                 _inside_stand_in[0] -= 1
 
     @staticmethod
     def backward(ctx, grad_out, grad_final):
-        needs = ctx.needs_input_grad[2:]
+        needs = ctx.needs_input_grad[2:8]  # q, k, v, g, g_gamma, initial_state
         inputs = [
             x.detach().requires_grad_(need) if x is not None else None for x, need in zip(ctx.saved_tensors, needs)
         ]
@@ -435,12 +436,13 @@ class StandInKernel(torch.autograd.Function):
                     out, final = ctx.reference(q, k, v, gates(q, g, g_gamma), initial_state)
                     out = out.to(q.dtype)
                     wanted = [x for x, need in zip(inputs, needs) if need]
-                    pairs = [(y, dy) for y, dy in ((out, grad_out), (final, grad_final)) if y.requires_grad]
+                    outputs = ((out, grad_out), (final, grad_final))
+                    pairs = [(y, dy) for y, dy in outputs if y.requires_grad and dy is not None]
                     grads = torch.autograd.grad(
                         [y for y, _ in pairs], wanted, [dy for _, dy in pairs], allow_unused=True
                     )
                 grads = iter(grads)
-                return (None, None, *[next(grads) if need else None for need in needs])
+                return (None, None, *[next(grads) if need else None for need in needs], None)
             finally:
                 _inside_stand_in[0] -= 1
 
@@ -487,12 +489,12 @@ def stand_in_kernels(chunk_reference, step_reference):
     def chunked(q, k, v, g=None, g_gamma=None, scale=None, initial_state=None, output_final_state=False, **kwargs):
         extra = int(g is not None)  # chunk_local_cumsum of per-token gates, each way
         launches = {"forward": FLA_LAUNCHES["forward"] + extra, "backward": FLA_LAUNCHES["backward"] + extra}
-        return StandInKernel.apply(chunk_reference, launches, q, k, v, g, g_gamma, initial_state)
+        return StandInKernel.apply(chunk_reference, launches, q, k, v, g, g_gamma, initial_state, output_final_state)
 
     @torch.compiler.disable
     def one_step(q, k, v, g=None, g_gamma=None, scale=None, initial_state=None, output_final_state=False, **kwargs):
         launches = {"forward": FLA_STEP_LAUNCHES, "backward": 0}
-        return StandInKernel.apply(step_reference, launches, q, k, v, g, g_gamma, initial_state)
+        return StandInKernel.apply(step_reference, launches, q, k, v, g, g_gamma, initial_state, output_final_state)
 
     return chunked, one_step
 

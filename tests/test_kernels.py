@@ -210,8 +210,8 @@ def test_causal_key_sums_equal_the_explicit_denominator(
     num_tokens, chunk_size, block_elements, with_initial, monkeypatch
 ):
     """q_s . (z_0 + sum_{t<=s} k_t) and z_0 + sum_t k_t, from tokens-first inputs, against the explicit masked
-    N x N sum: values and the gradients of q, k and z_0, the final sum receiving a gradient of its own; in one
-    block, and in blocks of one head and one row."""
+    N x N sum: values and the gradients of q, k and z_0, the final sum receiving a gradient of its own, each output
+    alone, and without the final sum (``final_state=False``); in one block, and in blocks of one head and one row."""
     monkeypatch.setattr(products_shared, "BLOCK_ELEMENTS", block_elements)
     torch.manual_seed(0)
     B, H, N, m = 2, 3, num_tokens, 5
@@ -227,8 +227,29 @@ def test_causal_key_sums_equal_the_explicit_denominator(
     inputs = [*leaves, initial] if with_initial else leaves
     grad, grad_final = torch.randn_like(got), torch.randn_like(final)
     loss = (got * grad).sum() + (final * grad_final).sum()
-    expected_loss = (expected * grad).sum() + (expected_final * grad_final).sum()
-    for g, w in zip(torch.autograd.grad(loss, inputs), torch.autograd.grad(expected_loss, inputs)):
+    expected_final_loss = (expected_final * grad_final).sum()
+    expected_loss = (expected * grad).sum() + expected_final_loss
+    for g, w in zip(
+        torch.autograd.grad(loss, inputs, retain_graph=True),
+        torch.autograd.grad(expected_loss, inputs, retain_graph=True),
+    ):
+        torch.testing.assert_close(g, w)
+
+    # each output alone reaching the loss (the other given no gradient, not zeros), and no final sum asked for
+    def gradients(loss):  # zeros for an input the loss does not reach
+        grads = torch.autograd.grad(loss, inputs, retain_graph=True, allow_unused=True)
+        return [torch.zeros_like(x) if g is None else g for g, x in zip(grads, inputs)]
+
+    for ours, want in (
+        ((got * grad).sum(), (expected * grad).sum()),
+        ((final * grad_final).sum(), expected_final_loss),
+    ):
+        for g, w in zip(gradients(ours), gradients(want)):
+            torch.testing.assert_close(g, w)
+    denominator_only, no_final = causal_key_sums(q, k, initial, chunk_size, final_state=False)
+    torch.testing.assert_close(denominator_only, expected)
+    assert no_final is None
+    for g, w in zip(gradients((denominator_only * grad).sum()), gradients((expected * grad).sum())):
         torch.testing.assert_close(g, w)
 
 

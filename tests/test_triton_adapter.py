@@ -68,7 +68,7 @@ def reference_kernels():
             )
             outs.append(out)
             finals.append(final)
-        return torch.cat(outs, dim=1).to(v.dtype), torch.cat(finals)
+        return torch.cat(outs, dim=1).to(v.dtype), torch.cat(finals) if output_final_state else None
 
     def one_step(q, k, v, g=None, g_gamma=None, scale=None, initial_state=None, output_final_state=False):
         return naive.naive_recurrent_simple_gla(
@@ -154,6 +154,16 @@ def test_the_adapter_computes_the_torch_product(fla_calls, tokens, gating, with_
     # the denominator over several tokens: from the keys' prefix sums where ungated, else a second product; one
     # step takes it in one call
     assert len(calls) == 1 + (with_denominator and gating != "none" and tokens > 1)
+    # a caller that keeps no state: the same outputs, and fla is asked for no final state
+    without_final = products_triton.fla_causal_product(
+        q, k, v, None if log_decay is not None else log_gates, log_decay, initial, None, with_denominator,
+        torch.float32, kernels, final_state=False,
+    )  # fmt: skip
+    assert without_final[2] is None
+    for got, want in zip(without_final[:2], adapted[:2]):
+        assert (got is None) == (want is None)
+        if want is not None:
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 def test_packed_documents_become_sequences_and_keep_each_rows_states(fla_calls):
@@ -173,6 +183,12 @@ def test_packed_documents_become_sequences_and_keep_each_rows_states(fla_calls):
         )
         for got, want in zip(adapted, torch_path):
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        without_final = products_triton.fla_causal_product(
+            q, k, v, gates, None, initial, resets, True, torch.float32, kernels, final_state=False
+        )
+        assert without_final[2] is None
+        for got, want in zip(without_final[:2], adapted[:2]):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("gating", ["gates", "none"])
@@ -183,19 +199,26 @@ def test_the_adapter_has_the_torch_products_gradients(fla_calls, gating):
     initial = torch.rand(2, 3, 7, 6, dtype=torch.float64, requires_grad=True)
     wanted = [x for x in (q, k, v, log_gates, initial) if x is not None]
 
-    def gradients(run):
-        out, denominator, final = run()
-        loss = (out * torch.linspace(-1, 1, 5)).sum() + denominator.pow(2).sum() + final.sum()
-        return torch.autograd.grad(loss, wanted)
+    def gradients(run, final_state=True):
+        out, denominator, final = run(final_state)
+        loss = (out * torch.linspace(-1, 1, 5)).sum() + denominator.pow(2).sum()
+        return torch.autograd.grad(loss + final.sum() if final_state else loss, wanted)
 
-    want = gradients(lambda: causal_linear_attention(q, k, v, log_gates, initial, 8, None, True, backend="torch"))
-    got = gradients(
-        lambda: products_triton.fla_causal_product(
-            q, k, v, log_gates, None, initial, None, True, torch.float32, kernels
+    for final_state in (True, False):  # the final state reaching the loss, or not asked for
+        want = gradients(
+            lambda final: causal_linear_attention(
+                q, k, v, log_gates, initial, 8, None, True, backend="torch", final_state=final
+            ),
+            final_state,
         )
-    )  # the kernels compute in float32
-    for g, w in zip(got, want):
-        torch.testing.assert_close(g.double(), w, atol=1e-4, rtol=1e-4)
+        got = gradients(
+            lambda final: products_triton.fla_causal_product(
+                q, k, v, log_gates, None, initial, None, True, torch.float32, kernels, final_state=final
+            ),
+            final_state,
+        )  # the kernels compute in float32
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g.double(), w, atol=1e-4, rtol=1e-4)
 
 
 @pytest.fixture

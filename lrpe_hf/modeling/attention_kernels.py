@@ -57,6 +57,7 @@ def causal_linear_attention(
     backend: str = "auto",
     update_in_place: bool = False,
     known_decay=None,
+    final_state: bool = True,
 ):
     """q, k (B, H, N, m); v (B, H, N, dv); log_gates (B, H, N) or None; initial_state (B, H, m, dv') or None;
     chunk_size None picks ``default_chunk_size(N)``; resets (B, N) bool or None; ``with_denominator``: also the
@@ -78,6 +79,9 @@ def causal_linear_attention(
     counts (a decay by distance over default positions without padding), ``uniform_decay`` takes it without
     looking at the gates (on a GPU, a host sync per call).
 
+    ``final_state`` False: the caller keeps no final state (a call with no cache to continue); it is returned as
+    None, and fla's path neither makes it (nor its key sums) nor is handed zeros for its gradient.
+
     ``backend``: ``torch`` (the products below), ``triton`` (fla's kernels, ``products_triton.py``; raises where
     they cannot run) or ``auto`` (fla's kernels where they can run, torch otherwise). The chunk size is the torch
     path's.
@@ -94,7 +98,7 @@ def causal_linear_attention(
         )
         if divide_eps is not None:
             out = divide_rows(out, denominator, divide_eps, with_reciprocal=False)[0]
-        return out, denominator, final
+        return out, denominator, final if final_state else None
     decay = uniform_decay(log_gates, initial_state, resets, known_decay) if N > 1 else None  # one token: its gate
     if backend == "torch":
         why_not = "the torch backend was chosen"
@@ -105,11 +109,12 @@ def causal_linear_attention(
         raise ValueError(f"kernel_backend='triton' cannot run this product: {why_not}; 'auto' falls back to torch")
     if why_not is None:
         out, denominator, final = fla_causal_product(
-            q, k, v, None if decay is not None else log_gates, decay, initial_state, resets, with_denominator, dtype
-        )
+            q, k, v, None if decay is not None else log_gates, decay, initial_state, resets, with_denominator, dtype,
+            final_state=final_state,
+        )  # fmt: skip
         if divide_eps is not None:
             out = divide_rows(out, denominator, divide_eps, with_reciprocal=False)[0]
-        return out, denominator, final
+        return out, denominator, final if final_state else None
     if resets is not None and log_gates is None:
         log_gates = q.new_zeros(B, H, N, dtype=torch.promote_types(q.dtype, torch.float32))
     device = q.device.type
@@ -126,7 +131,8 @@ def causal_linear_attention(
             out, denominator, final = ChunkedCausalProduct.apply(
                 q, k, v, initial_state, C, with_denominator, dtype, decay, divide_eps
             )
-        return out[:, :, kept], None if denominator is None else denominator[:, :, kept], final
+        denominator = None if denominator is None else denominator[:, :, kept]
+        return out[:, :, kept], denominator, final if final_state else None
     if pad and N > 1:
         q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
         log_gates = F.pad(log_gates, (0, pad))
@@ -142,8 +148,8 @@ def causal_linear_attention(
         out, denominator = out.split([out.shape[-1] - 1, 1], dim=-1)
         if divide_eps is not None:
             out = divide_rows(out, denominator, divide_eps, with_reciprocal=False)[0]
-        return out, denominator, final
-    return out, None, final
+        return out, denominator, final if final_state else None
+    return out, None, final if final_state else None
 
 
 def uniform_decay(log_gates, initial_state, resets, known=None):

@@ -67,14 +67,16 @@ class DivideByDenominator(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         result, reciprocal = ctx.saved_tensors
-        # d(n / D)/dD = -(n / D) / D: the result times the reciprocal, summed with the output's gradient (in the
+        # d(n / D)/dn = 1 / D; d(n / D)/dD = -(n / D) / D, summed over the row with the output's gradient (in the
         # reciprocal's dtype, float32 for float16 inputs, then cast to each input's)
-        grad_denominator = torch.linalg.vecdot(grad, result, dim=-1).unsqueeze(-1).mul(reciprocal).neg_()
-        grad_eps = grad_denominator.sum_to_size(ctx.eps_shape) if ctx.needs_input_grad[2] else None
-        if reciprocal.dtype != grad.dtype:
+        if reciprocal.dtype != grad.dtype:  # float16: the row's sum in float16, then times the float32 reciprocal
             grad_numerator = torch.mul(grad, reciprocal, out=torch.empty_like(grad))
-            return grad_numerator, grad_denominator.to(ctx.denominator_dtype), grad_eps, None
-        return grad * reciprocal, grad_denominator, grad_eps, None
+            grad_denominator = torch.linalg.vecdot(grad, result, dim=-1).unsqueeze(-1).mul(reciprocal).neg_()
+        else:  # the numerator's gradient first: the denominator's is its sum with the result, one product fewer
+            grad_numerator = grad * reciprocal
+            grad_denominator = torch.linalg.vecdot(grad_numerator, result, dim=-1).unsqueeze(-1).neg_()
+        grad_eps = grad_denominator.sum_to_size(ctx.eps_shape) if ctx.needs_input_grad[2] else None
+        return grad_numerator, grad_denominator.to(ctx.denominator_dtype), grad_eps, None
 
 
 @dataclass
@@ -152,7 +154,7 @@ class KernelAttention(nn.Module):
             divide_eps = self.eps if divided else None
             out, denominator, kv = causal_linear_attention(
                 tq, tk, v, gates, previous, self.chunk_size, starts, with_denominator, divide_eps, self.kernel_backend,
-                in_place, known_decay,
+                in_place, known_decay, final_state=state is not None,
             )  # fmt: skip
         else:
             out, denominator = bidirectional_linear_attention(tq, tk, v, local_documents, with_denominator)
@@ -254,12 +256,12 @@ class KernelAttention(nn.Module):
             return bidirectional_linear_attention(fq, fk, torch.ones_like(fk[..., :1]), documents)[0]
         previous = state.key_sum if state is not None else None
         if gates is None and starts is None:
-            denominator, key_sum = causal_key_sums(fq, fk, previous, self.chunk_size, in_place)
+            denominator, key_sum = causal_key_sums(fq, fk, previous, self.chunk_size, in_place, state is not None)
         else:
             ones = torch.ones_like(fk[..., :1])
             denominator, _, key_sum = causal_linear_attention(
                 fq, fk, ones, gates, previous, self.chunk_size, starts, backend=self.kernel_backend,
-                known_decay=known_decay,
+                known_decay=known_decay, final_state=state is not None,
             )  # fmt: skip
         if state is not None:
             state.store("key_sum", key_sum)

@@ -343,22 +343,26 @@ class CausalKeySums(torch.autograd.Function):
     recomputes the prefix sums (the keys' gradient is a suffix sum).
 
     q, k (B, H, N, m) in any layout, N a multiple of C; initial (B, H, m, 1) or None; ``dtype``: the dtype of the
-    sums. Returns (B, H, N, 1) and (B, H, m, 1), stored heads-first.
+    sums; ``final_state``: whether the final key sum is wanted (a caller with no cache to continue wants none).
+    Returns (B, H, N, 1) and (B, H, m, 1) or None, stored heads-first. An output whose gradient does not come
+    (the final key sum, unused) is not given one as zeros (no launch to make them, none to add them).
     """
 
     @staticmethod
-    def forward(ctx, q, k, initial, chunk_size, dtype):
+    def forward(ctx, q, k, initial, chunk_size, dtype, final_state=True):
         B, H, N, m = q.shape
         denominator = heads_first(B, H, N, 1, q, dtype)
-        final = heads_first(B, H, m, 1, q, dtype)
+        final = heads_first(B, H, m, 1, q, dtype) if final_state else None
         scratch = Scratch()
         for rows, heads in batch_head_blocks(B, H, N // chunk_size, chunk_size):
             qf = chunks_of(q, rows, heads, N, dtype, scratch, "q")  # (h * b, N, m)
             sums = CausalKeySums.key_sums(k, initial, rows, heads, N, chunk_size, dtype, scratch)
             torch.linalg.vecdot(qf, sums, out=block_of(denominator, rows, heads).view(-1, N))
-            block_of(final, rows, heads).view(-1, m).copy_(sums[:, -1])
+            if final is not None:
+                block_of(final, rows, heads).view(-1, m).copy_(sums[:, -1])
         ctx.save_for_backward(q, k, initial)
         ctx.chunk_size, ctx.dtype = chunk_size, dtype
+        ctx.set_materialize_grads(False)
         return denominator, final
 
     @staticmethod
@@ -373,6 +377,8 @@ class CausalKeySums(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad, grad_final):
         q, k, initial = ctx.saved_tensors
+        if grad is None:  # only the final key sum reaches the loss
+            grad = q.new_zeros(*q.shape[:3], 1, dtype=ctx.dtype)
         C, dtype = ctx.chunk_size, ctx.dtype
         B, H, N, m = q.shape
         grad_q, grad_k = (heads_first(B, H, N, m, x) for x in (q, k))
@@ -384,29 +390,33 @@ class CausalKeySums(torch.autograd.Function):
             sums = CausalKeySums.key_sums(k, initial, rows, heads, N, C, dtype, scratch)
             block_of(grad_q, rows, heads).copy_(sums.mul_(gd).view(block_of(grad_q, rows, heads).shape))
             later = chunk_prefix_sums(qf * gd, C, reverse=True)  # sum over s >= t
-            later += block_of(grad_final, rows, heads).reshape(later.shape[0], 1, m).to(dtype)
+            if grad_final is not None:
+                later += block_of(grad_final, rows, heads).reshape(later.shape[0], 1, m).to(dtype)
             block_of(grad_k, rows, heads).copy_(later.view(block_of(grad_k, rows, heads).shape))
             if grad_initial is not None:  # z_0 reaches every query
                 block_of(grad_initial, rows, heads).view(-1, m).copy_(later[:, 0])
-        return grad_q, grad_k, grad_initial, None, None
+        return grad_q, grad_k, grad_initial, None, None, None
 
 
-def causal_key_sums(q, k, initial=None, chunk_size: int | None = None, update_in_place: bool = False):
+def causal_key_sums(
+    q, k, initial=None, chunk_size: int | None = None, update_in_place: bool = False, final_state: bool = True
+):
     """q_s . (z_0 + sum_{t<=s} k_t), the denominator of ungated causal attention without a positional transform,
     and the final key sum: q, k (B, H, N, m); initial (B, H, m, 1) or None. Returns (B, H, N, 1) and
-    (B, H, m, 1). ``update_in_place`` (no gradient wanted): one decoding step adds its key to ``initial`` itself."""
+    (B, H, m, 1), or None for the final key sum where ``final_state`` is False (a caller with no cache to
+    continue). ``update_in_place`` (no gradient wanted): one decoding step adds its key to ``initial`` itself."""
     N = q.shape[2]
     if N == 1 and update_in_place and initial is not None and initial.dtype == k.dtype:
         final = initial.add_(k.transpose(-1, -2))
         return q @ final, final
     if N == 1:  # one decoding step, in its recurrent form
         final = k.transpose(-1, -2) if initial is None else initial + k.transpose(-1, -2)
-        return q @ final, final
+        return q @ final, final if final_state else None
     C, dtype = chunk_length(N, chunk_size), product_dtype(q, k)
     device = q.device.type
     pad = (-N) % C
     if pad:
         q, k = (F.pad(x, (0, 0, 0, pad)) for x in (q, k))
     with torch.autocast(device, enabled=False):
-        denominator, final = CausalKeySums.apply(q, k, initial, C, dtype)
+        denominator, final = CausalKeySums.apply(q, k, initial, C, dtype, final_state)
     return denominator[:, :, :N], final

@@ -121,13 +121,15 @@ def with_ones_column(v):
 
 
 def fla_causal_product(
-    q, k, v, log_gates, log_decay, initial_state, resets, with_denominator: bool, dtype, kernels=None
-):
+    q, k, v, log_gates, log_decay, initial_state, resets, with_denominator: bool, dtype, kernels=None,
+    final_state: bool = True,
+):  # fmt: skip
     """q, k (B, H, N, m); v (B, H, N, dv); log_gates (B, H, N) or None; log_decay (H,): one constant log gate per
     head, used instead of ``log_gates`` when given; initial_state (B, H, m, dv') or None; resets (B, N) bool or
     None; ``dtype``: the products' dtype. ``kernels``: (chunked, one-step) functions with fla's signatures (default
     ``fla_kernels()``). Returns out (B, H, N, dv), the denominator (B, H, N, 1) or None and the final state
-    (B, H, m, dv'), as ``causal_linear_attention``."""
+    (B, H, m, dv'), or None where ``final_state`` is False (fla then neither writes it nor is given its gradient),
+    as ``causal_linear_attention``."""
     kernels = kernels or fla_kernels()
     dv = v.shape[-1]
     q, k, v = (x.to(dtype) for x in (q, k, v))
@@ -139,28 +141,30 @@ def fla_causal_product(
     fq, fk = (even_width(x).transpose(1, 2).contiguous() for x in (q, k))  # (B, N, H, m'), m' even
 
     def product(values, state):
-        return fla_product(kernels, fq, fk, values, gates, state, resets, q.shape[-1])
+        return fla_product(kernels, fq, fk, values, gates, state, resets, q.shape[-1], final_state)
 
     if not with_denominator:
         out, final = product(v, initial_state)
         return out, None, final
     if q.shape[2] == 1:  # one step: a ones column in the values, one launch
         out, final = product(with_ones_column(v), initial_state)
-        return out[..., :dv], out[..., dv : dv + 1], final[..., : dv + 1]
+        return out[..., :dv], out[..., dv : dv + 1], None if final is None else final[..., : dv + 1]
     out, final = product(v, initial_state[..., :dv] if initial_state is not None else None)
     key_sum = initial_state[..., dv:] if initial_state is not None else None
     if log_gates is None and log_decay is None and resets is None:
-        denominator, key_final = causal_key_sums(q, k, key_sum)
+        denominator, key_final = causal_key_sums(q, k, key_sum, final_state=final_state)
     else:
         denominator, key_final = product(torch.ones_like(v[..., :1]), key_sum)
+    if final is None:
+        return out, denominator, None
     return out, denominator, torch.cat([final, key_final.to(final.dtype)], dim=-1)
 
 
-def fla_product(kernels, q, k, v, gates, initial_state, resets, m: int):
+def fla_product(kernels, q, k, v, gates, initial_state, resets, m: int, final_state: bool = True):
     """One product on fla's kernels: q, k (B, N, H, m') in fla's layout, m' even (m of them the keys' own);
     v (B, H, N, dv); gates as ``fla_causal_product`` passes them; initial_state (B, H, m, dv) or None (fewer
     columns are filled with zeros to v's width); resets (B, N) bool or None. Returns out (B, H, N, dv) and the final
-    state (B, H, m, dv) in float32."""
+    state (B, H, m, dv) in float32, or None where ``final_state`` is False."""
     chunked, one_step = kernels
     dv = v.shape[-1]
     v = even_width(v).transpose(1, 2)  # (B, N, H, dv'), dv' even
@@ -169,16 +173,17 @@ def fla_product(kernels, q, k, v, gates, initial_state, resets, m: int):
         initial_state = F.pad(initial_state.float(), padding) if any(padding) else initial_state.float().contiguous()
     if resets is None:
         kernel = one_step if q.shape[1] == 1 else chunked
-        out, final = kernel(q, k, v, **gates, scale=1.0, initial_state=initial_state, output_final_state=True)
+        out, final = kernel(q, k, v, **gates, scale=1.0, initial_state=initial_state, output_final_state=final_state)
     else:
-        out, final = packed_product(chunked, q, k, v, gates, initial_state, resets)
-    return out.transpose(1, 2)[..., :dv], final[..., :m, :dv]
+        out, final = packed_product(chunked, q, k, v, gates, initial_state, resets, final_state)
+    return out.transpose(1, 2)[..., :dv], None if final is None else final[..., :m, :dv]
 
 
-def packed_product(kernel, q, k, v, gates, initial_state, resets):
+def packed_product(kernel, q, k, v, gates, initial_state, resets, final_state: bool = True):
     """The product of rows holding several documents: every row and every document in it one sequence of
     ``cu_seqlens`` over the flattened batch. q, k, v (B, N, H, width); gates as ``fla_causal_product`` passes them;
-    resets (B, N) bool. Returns out (B, N, H, dv') and each row's final state (B, H, m, dv')."""
+    resets (B, N) bool. Returns out (B, N, H, dv') and each row's final state (B, H, m, dv'), or None where
+    ``final_state`` is False."""
     B, N = resets.shape
     starts = resets.clone()
     starts[:, 0] = True
@@ -186,7 +191,6 @@ def packed_product(kernel, q, k, v, gates, initial_state, resets):
     cu_seqlens = F.pad(first_tokens, (0, 1), value=B * N)
     row_starts = torch.arange(B, device=resets.device) * N
     first_sequence = torch.searchsorted(first_tokens, row_starts)  # each row's first document
-    last_sequence = torch.searchsorted(first_tokens, row_starts + N) - 1  # and its last
     if initial_state is not None:
         continued = (~resets[:, 0]).to(initial_state.dtype)[:, None, None, None]  # a reset drops the state
         sequence_states = initial_state.new_zeros(len(first_tokens), *initial_state.shape[1:])
@@ -195,6 +199,9 @@ def packed_product(kernel, q, k, v, gates, initial_state, resets):
     if gates.get("g") is not None:
         gates = {"g": gates["g"].reshape(1, B * N, -1)}
     out, finals = kernel(
-        *flat, **gates, scale=1.0, initial_state=initial_state, output_final_state=True, cu_seqlens=cu_seqlens
+        *flat, **gates, scale=1.0, initial_state=initial_state, output_final_state=final_state, cu_seqlens=cu_seqlens
     )
+    if finals is None:
+        return out.view(B, N, *out.shape[2:]), None
+    last_sequence = torch.searchsorted(first_tokens, row_starts + N) - 1  # each row's last document
     return out.view(B, N, *out.shape[2:]), finals[last_sequence]
