@@ -449,9 +449,9 @@ def test_rope_rotation_matches_rotary_embedding_torch():
 @pytest.mark.parametrize("width", [6, 7])  # 7: one feature passes through unrotated
 @pytest.mark.parametrize("tokens_first", [False, True])  # the projections' layout: pairs read in place (width 6)
 @pytest.mark.parametrize("block_elements", [None, 80])  # 80: blocks of 2 tokens (1 at width 7), the last one short
-@pytest.mark.parametrize("same_rows", [True, False])  # batch rows sharing their positions, or not
+@pytest.mark.parametrize("rows", ["same", "distinct", "one"])  # batch rows sharing their positions or not; one row
 def test_rotation_of_queries_and_keys_has_the_gradients_of_the_written_out_rotation(
-    width, tokens_first, block_elements, same_rows, monkeypatch
+    width, tokens_first, block_elements, rows, monkeypatch
 ):
     """The lighter backward (outputs turned back by -angle, the angles recomputed from the positions) against
     autograd through the real 2x2 rotation [e cos - o sin, e sin + o cos], angles position * theta, theta learnable
@@ -463,15 +463,19 @@ def test_rotation_of_queries_and_keys_has_the_gradients_of_the_written_out_rotat
         monkeypatch.setattr(RotateQueriesAndKeys, "BLOCK_ELEMENTS", block_elements)
     torch.manual_seed(0)
 
-    def features():  # (2, 3, 5, width): batch, heads, tokens
+    B = 1 if rows == "one" else 2
+
+    def features():  # (B, 3, 5, width): batch, heads, tokens
         if tokens_first:
-            return torch.randn(2, 5, 3, width, dtype=torch.float64).transpose(1, 2).requires_grad_()
-        return torch.randn(2, 3, 5, width, dtype=torch.float64, requires_grad=True)
+            return torch.randn(B, 5, 3, width, dtype=torch.float64).transpose(1, 2).requires_grad_()
+        return torch.randn(B, 3, 5, width, dtype=torch.float64, requires_grad=True)
 
     q, k = features(), features()
     theta = torch.rand(3, 3, dtype=torch.float64, requires_grad=True)  # (heads, pairs)
-    positions = torch.randint(0, 40, (1, 5, 1)).expand(2, -1, -1) if same_rows else torch.randint(0, 40, (2, 5, 1))
-    angles = positions.double()[:, None, :, 0, None] * theta[:, None, :]  # (2, 3, 5, 3)
+    positions = (
+        torch.randint(0, 40, (1, 5, 1)).expand(B, -1, -1) if rows != "distinct" else torch.randint(0, 40, (2, 5, 1))
+    )
+    angles = positions.double()[:, None, :, 0, None] * theta[:, None, :]  # (B, 3, 5, 3)
 
     def written_out(x, cos, sin):
         even, odd, rest = x[..., 0:6:2], x[..., 1:6:2], x[..., 6:]

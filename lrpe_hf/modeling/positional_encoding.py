@@ -29,7 +29,7 @@ import math
 
 import torch
 
-from .kept_tensors import KeptUntilChanged
+from .kept_tensors import KeptForInput, KeptUntilChanged
 from .reinitialisable import Reinitialisable
 
 
@@ -177,11 +177,18 @@ def angle_blocks(positions, rates, axis, dtype, shape, block_elements):
         yield tokens, unit_angles(rows[:, tokens], None, axis, dtype, rates)
 
 
+FLOAT_POSITIONS = KeptForInput()  # the positions as floats, made by the first layer's backward for all layers
+
+
 def frequency_gradient(grad_angles: torch.Tensor, positions: torch.Tensor, axis: torch.Tensor) -> torch.Tensor:
     """The gradient of the frequencies (H, U) of ``unit_angles`` from that of its angles (B, H, N, U): for each
     unit, the sum over rows and tokens of the position along the unit's axis times the angle's gradient (the
-    reduction to less than one turn has derivative one). positions (B or 1, N, A)."""
+    reduction to less than one turn has derivative one). positions (B or 1, N, A), converted to floats once for
+    every layer (``FLOAT_POSITIONS``); one row and one axis take no sum over rows and no gather."""
     wide = torch.promote_types(grad_angles.dtype, torch.float32)
-    coordinates = positions.to(wide).transpose(-1, -2)[:, None]  # (B, 1, A, N)
-    per_axis = (coordinates @ grad_angles.to(wide)).sum(0)  # (H, A, U)
+    coordinates = FLOAT_POSITIONS.get(positions, wide, lambda: positions.to(wide)).transpose(-1, -2)[:, None]
+    per_axis = coordinates @ grad_angles.to(wide)  # (B, H, A, U)
+    per_axis = per_axis[0] if per_axis.shape[0] == 1 else per_axis.sum(0)  # (H, A, U)
+    if per_axis.shape[1] == 1:  # one position axis: every unit follows it
+        return per_axis[:, 0]
     return per_axis.gather(1, axis.expand(per_axis.shape[0], 1, -1)).squeeze(1)

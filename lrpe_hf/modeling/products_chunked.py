@@ -320,13 +320,16 @@ def triangle_of_ones(chunk_size: int, like: torch.Tensor, upper: bool) -> torch.
     return kept_tensor(f"triangle {chunk_size} {'upper' if upper else 'lower'}", like, make)
 
 
-def chunk_prefix_sums(x, chunk_size: int, reverse: bool = False):
-    """Inclusive prefix sums of x (G, N, m) along the tokens, or suffix sums with ``reverse``; N a multiple of C.
-    Within each chunk one product with a triangular matrix of ones, across chunks the running totals of the
-    chunks. (``cumsum`` along the tokens runs one serial thread per column on CUDA, and was slower on the CPU too.)
+def chunk_prefix_sums(x, chunk_size: int, reverse: bool = False, out=None):
+    """Inclusive prefix sums of x (G, N, m) along the tokens, or suffix sums with ``reverse``; N a multiple of C;
+    written into ``out`` (G, N, m, contiguous) if given. Within each chunk one product with a triangular matrix of
+    ones, across chunks the running totals of the chunks. (``cumsum`` along the tokens runs one serial thread per
+    column on CUDA, and was slower on the CPU too.)
     """
     G, N, m = x.shape
-    sums = torch.matmul(triangle_of_ones(chunk_size, x, reverse), x.view(G, N // chunk_size, chunk_size, m))
+    chunks = x.view(G, N // chunk_size, chunk_size, m)
+    triangle = triangle_of_ones(chunk_size, x, reverse)
+    sums = torch.matmul(triangle, chunks) if out is None else torch.matmul(triangle, chunks, out=out.view(chunks.shape))
     if reverse:  # each chunk's total is its first row; every chunk adds the totals of the chunks after it
         carried = sums[:, :, 0].flip(1).cumsum(1).flip(1)
         sums[:, :-1] += carried[:, 1:, None]
@@ -388,11 +391,17 @@ class CausalKeySums(torch.autograd.Function):
             qf = chunks_of(q, rows, heads, N, dtype, scratch, "q")
             gd = chunks_of(grad, rows, heads, N, dtype, scratch, "grad")  # (h * b, N, 1)
             sums = CausalKeySums.key_sums(k, initial, rows, heads, N, C, dtype, scratch)
-            block_of(grad_q, rows, heads).copy_(sums.mul_(gd).view(block_of(grad_q, rows, heads).shape))
-            later = chunk_prefix_sums(qf * gd, C, reverse=True)  # sum over s >= t
-            if grad_final is not None:
+            dq, dk = block_of(grad_q, rows, heads), block_of(grad_k, rows, heads)  # (h, b, N, m), contiguous
+            direct = dq.dtype == dtype  # the gradients are written where they go, not copied there
+            if direct:
+                torch.mul(sums, gd, out=dq.view(sums.shape))
+            else:
+                dq.copy_(sums.mul_(gd).view(dq.shape))
+            later = chunk_prefix_sums(qf * gd, C, reverse=True, out=dk.view(sums.shape) if direct else None)
+            if grad_final is not None:  # (a sum over s >= t)
                 later += block_of(grad_final, rows, heads).reshape(later.shape[0], 1, m).to(dtype)
-            block_of(grad_k, rows, heads).copy_(later.view(block_of(grad_k, rows, heads).shape))
+            if not direct:
+                dk.copy_(later.view(dk.shape))
             if grad_initial is not None:  # z_0 reaches every query
                 block_of(grad_initial, rows, heads).view(-1, m).copy_(later[:, 0])
         return grad_q, grad_k, grad_initial, None, None, None
