@@ -297,6 +297,37 @@ def test_a_compiled_decoding_step_is_one_graph_traced_once_that_decodes_as_eager
     assert [cache.get_seq_length() for cache in caches] == [14, 14]
 
 
+def test_a_models_layers_share_one_set_of_token_counters():
+    """Every layer of a model sees the same tokens: their states hold the first one's counters (the same tensors),
+    advanced once per call after every layer has read them. Over a left-padded prompt, decoding steps and a
+    continuation with packed positions, they hold each row's real tokens, its last real position and its document;
+    PermuteFormer (which reads the last position in every layer) decodes as the full forward does."""
+    model = model_with("permute")
+    ids, mask = left_padded_batch(2, 4, 6)
+    cache = LinearAttentionCache(model.config.num_hidden_layers)
+
+    def counters(state):
+        return state.num_tokens, state.last_position, state.document
+
+    with torch.no_grad():
+        logits = model(ids, attention_mask=mask, past_key_values=cache, use_cache=True).logits
+        steps = []
+        for _ in range(2):
+            token = logits[:, -1:].argmax(-1)
+            steps.append(token)
+            mask = torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], dim=1)
+            logits = model(token, attention_mask=mask, past_key_values=cache, use_cache=True).logits
+        first = counters(cache.states[0])
+        assert all(a is b for state in cache.states[1:] for a, b in zip(counters(state), first))
+        assert first[0].tolist() == [6, 8] and first[1].tolist() == [5, 7] and first[2].tolist() == [0, 0]
+        full = model(torch.cat([ids, *steps], dim=1), attention_mask=mask).logits
+        torch.testing.assert_close(logits[:, -1], full[:, -1], atol=1e-5, rtol=1e-5)
+        piece = prompt(2, 3, seed=1)  # a new document starts at each row's second token (positions restart)
+        model(piece, position_ids=torch.tensor([[8, 0, 1], [9, 0, 1]]), past_key_values=cache, use_cache=True)
+        assert first[0].tolist() == [9, 11] and first[1].tolist() == [1, 1] and first[2].tolist() == [1, 1]
+        assert all(a is b for state in cache.states[1:] for a, b in zip(counters(state), counters(cache.states[0])))
+
+
 def state_addresses(cache):
     """{name: data pointer} of the cache's token count and every layer's state tensor but FastRPB's value history
     (which grows: doubling its storage when full)."""

@@ -120,6 +120,11 @@ class LinearAttentionState(TensorState):
     value_history: ValueHistory | None = None
     given_positions: bool = False
 
+    def share_counters(self, other: "LinearAttentionState"):
+        """Take ``other``'s token counters as this state's own (the same tensors): layers that see the same tokens."""
+        self.num_tokens, self.last_position, self.document = other.num_tokens, other.last_position, other.document
+        self.given_positions = other.given_positions
+
     def count(self, positions: torch.Tensor, mask: torch.Tensor | None, documents: torch.Tensor):
         """Advance the counters past this call's tokens: positions (B, N, A), mask (B, N) or None, documents
         (B, N)."""

@@ -43,6 +43,15 @@ class LinearAttentionCache(Cache):
                 torch._dynamo.mark_static_address(self.token_count)
         self.token_count.add_(num_tokens)
 
+    def count(self, positions: torch.Tensor, mask: torch.Tensor | None, documents: torch.Tensor):
+        """Advance the layers' token counters past a call's tokens (positions (B, N, 1), mask (B, N) bool or None,
+        documents (B, N)), once for all layers: they all saw the same tokens, so their states share the first
+        one's counters (the same tensors, advanced in place while decoding: a few ops a step, not a few a layer)."""
+        first = self.states[0]
+        first.count(positions, mask, documents)
+        for state in self.states[1:]:
+            state.share_counters(first)
+
     @property
     def seen_tokens(self) -> int:
         """The tokens the cache has seen, padding included (a read from the device)."""

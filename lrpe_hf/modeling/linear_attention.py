@@ -50,6 +50,8 @@ class LinearAttention(nn.Module):
     forward(hidden_states (B, N, hidden_size), attention_mask (B, N) = None, position_ids (B, N) or (B, N, 2)
     = None, state = None, shared_draw = None, documents = None, softmax_implementation = "sdpa")
     -> (B, N, hidden_size). ``softmax_implementation`` ("sdpa" or "eager") is the softmax path's kernel.
+    ``count_tokens`` False: the state's token counters are left to the caller (a model advances its layers'
+    shared counters once per call, ``LinearAttentionCache.count``).
     """
 
     def __init__(
@@ -123,14 +125,15 @@ class LinearAttention(nn.Module):
         documents=None,
         softmax_implementation="sdpa",
         consecutive=None,
+        count_tokens=True,
     ):
         """``documents``: ``find_documents(...)`` of these inputs when the caller has it (a model computes it
         once for all its layers); ``consecutive``: whether every row's positions are the defaults without padding
         (each token one past the one before), which a caller that passes the positions it made knows; None: whether
-        no positions and no padding were given."""
+        no positions and no padding were given; ``count_tokens``: whether the state's counters advance here."""
         out = self.attend(
             hidden_states, attention_mask, position_ids, state, shared_draw, documents, None, softmax_implementation,
-            consecutive,
+            consecutive, count_tokens,
         )  # fmt: skip
         B, N = hidden_states.shape[:2]
         return self.o_proj(out.transpose(1, 2).reshape(B, N, self.hidden_size))
@@ -156,6 +159,7 @@ class LinearAttention(nn.Module):
         values=None,
         softmax_implementation="sdpa",
         consecutive=None,
+        count_tokens=True,
     ):
         """The heads' outputs before the output projection, (B, H, N, d): ``forward`` without ``o_proj``.
         ``values`` (B, H, N, d') replace the projected values (``attention_weights``)."""
@@ -206,6 +210,6 @@ class LinearAttention(nn.Module):
             out = out + encoding.value_bias(keys[0], keys[1], positions, self.options.causal, keys[2], documents)
         if mask is not None:
             out = out.masked_fill(~mask[:, None, :, None], 0.0)
-        if state is not None:
+        if state is not None and count_tokens:
             state.count(positions, mask, documents)
         return out

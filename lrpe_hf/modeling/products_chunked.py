@@ -427,5 +427,7 @@ def causal_key_sums(
     if pad:
         q, k = (F.pad(x, (0, 0, 0, pad)) for x in (q, k))
     with torch.autocast(device, enabled=False):
-        denominator, final = CausalKeySums.apply(q, k, initial, C, dtype, final_state)
-    return denominator[:, :, :N], final
+        # compiled, the Function makes every output (dynamo takes no None among them), and an unwanted one is dropped
+        made = final_state or torch.compiler.is_compiling()
+        denominator, final = CausalKeySums.apply(q, k, initial, C, dtype, made)
+    return denominator[:, :, :N], final if final_state else None

@@ -91,10 +91,11 @@ class LinearTransformerLayer(GradientCheckpointingLayer):
         shared_draw=None,
         documents=None,
         consecutive=None,
+        count_tokens=True,
     ):
         """hidden_states (B, N, hidden) -> (B, N, hidden). ``shared_tables``: the shared draw's tables, passed as
-        tensors so that gradient checkpointing sees them (see ``SPEDraw.with_tables``); ``documents``, ``consecutive``:
-        as ``LinearAttention.forward`` takes them."""
+        tensors so that gradient checkpointing sees them (see ``SPEDraw.with_tables``); ``documents``,
+        ``consecutive``, ``count_tokens``: as ``LinearAttention.forward`` takes them."""
         if shared_tables:
             shared_draw = shared_draw.with_tables(shared_tables)
         attend = dict(
@@ -105,6 +106,7 @@ class LinearTransformerLayer(GradientCheckpointingLayer):
             documents=documents,
             consecutive=consecutive,
             softmax_implementation=self.config._attn_implementation,
+            count_tokens=count_tokens,
         )
         if self.pre_norm:
             hidden_states = hidden_states + self.dropout(

@@ -49,20 +49,21 @@ class LinearTransformerStack(nn.Module):
         if self.training:
             for layer in self.layers:
                 layer.self_attn.redraw_random_features()
+        positions = (position_ids[..., None] if position_ids.dim() == 2 else position_ids).expand(
+            hidden_states.shape[0], -1, -1
+        )  # (B, N, A)
         shared_draw = None
         if self.shared_codes is not None:
             shared_draw = self.shared_codes.draw(hidden_states.device)
-            positions = position_ids[..., None] if position_ids.dim() == 2 else position_ids
             if hidden_states.shape[0]:  # an empty batch has no positions to prepare codes for
-                self.shared_codes.prepare(shared_draw, positions.expand(hidden_states.shape[0], -1, -1).long())
+                self.shared_codes.prepare(shared_draw, positions.long())
         # The shared tables go to every layer as positional tensors too, so that gradient checkpointing (reentrant
         # included) sees them as inputs of each layer.
         shared_tables = shared_draw.tables() if shared_draw is not None and hasattr(shared_draw, "tables") else []
         documents = None  # packed rows: found once for every layer (they all see the same tokens and positions)
         consecutive = not given_positions and attention_mask is None and position_ids.dim() == 2
-        if position_ids.dim() == 2:
+        if positions.shape[-1] == 1:
             first_state = cache.states[0] if cache is not None else None
-            positions = position_ids.expand(hidden_states.shape[0], -1)[..., None]
             documents = find_documents(positions, attention_mask, first_state, given_positions)
         all_hidden_states = [] if output_hidden_states else None
         all_attentions = [] if output_attentions else None
@@ -81,7 +82,12 @@ class LinearTransformerStack(nn.Module):
                 shared_draw=shared_draw,
                 documents=documents,
                 consecutive=consecutive,
+                count_tokens=False,
             )
+        if cache is not None:  # every layer saw these tokens: their counters advance once, after all have read them
+            if documents is None:
+                raise ValueError("A recurrent cache continues 1D positions: position_ids of shape (batch, tokens)")
+            cache.count(positions.long(), attention_mask, documents[1])
         return hidden_states, all_hidden_states, all_attentions
 
 
