@@ -768,8 +768,9 @@ def layer_ops(name: str, tokens: int, size=SIZE, fake: bool = True) -> tuple[lis
     """The ops (``OpBytes``) of one layer's bf16 train step (forward and backward of a random output gradient,
     the input wanting its gradient as inside a stack) at ``tokens`` tokens, batch 1, and the fla stand-in calls:
     a shape-only run (FakeTensorMode: the CPU code with the same shapes and dtypes, no arithmetic; a real bf16 run
-    at 32k takes minutes on a CPU), under CPU bf16 autocast, every input one block, the causal product on fla's
-    path (LinearGPT) and dropout as a GPU runs it. ``fake=False``: a real run (the tests compare the two)."""
+    at 32k takes minutes on a CPU), after one unrecorded warm-up step, under CPU bf16 autocast, every input one
+    block, the causal product on fla's path (LinearGPT) and dropout as a GPU runs it. ``fake=False``: a real run
+    (the tests compare the two)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     STAND_IN_CALLS.clear()
@@ -780,6 +781,11 @@ def layer_ops(name: str, tokens: int, size=SIZE, fake: bool = True) -> tuple[lis
         layer = model.transformer.h[0] if name == GPT2 else model.model.stack.layers[0]
         layer.train()
         x = torch.randn(1, tokens, size["hidden"], requires_grad=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # a warm-up step: what a layer makes once is made
+            warm = layer(x)
+        (warm[0] if isinstance(warm, tuple) else warm).sum().backward()
+        x.grad = None
+        STAND_IN_CALLS.clear()
         recorded = OpBytes()
         with recorded, torch.autocast("cpu", dtype=torch.bfloat16):
             out = layer(x)

@@ -206,27 +206,27 @@ class RotateByFactor(torch.autograd.Function):
 
 
 class FixedRates(NamedTuple):
-    """The rates of fixed frequencies, float64 (H or 1, 1, U), in turns and in radians per unit of position, with
-    their axes (U,): one row where every head has the same ladder (RoPE's), so that a factor is made once for all
-    heads. ``index`` names the values: layers holding equal frequencies share their rotations' factors."""
+    """The rates of RoPE's ladder of frequencies, float64 (1, 1, U), in turns and in radians per unit of position
+    (one row: every head has the same ladder), with their axes (U,). ``key`` names the ladder: layers with the same
+    one share their rotations' factors."""
 
     turns: torch.Tensor
     radians: torch.Tensor
     axis: torch.Tensor
-    index: int
+    key: tuple
 
 
-_FIXED_RATES = {}  # the values of fixed frequencies and axes -> their FixedRates, one object for every layer
+def ladder_rates(num_units: int, base: float, position_dims: int, axis: torch.Tensor, like: torch.Tensor):
+    """The ``FixedRates`` of the ladder ``rotary_frequencies(num_units, base, position_dims)`` in ``like``'s dtype
+    (its values as a buffer of that dtype holds them) and on its device, made once (``kept_tensor``)."""
+    name = f"rope ladder {num_units} {base} {position_dims}"
 
+    def ladder():
+        return rotary_frequencies(num_units, base, position_dims)[None].to(like.dtype).to(like.device)
 
-def fixed_rates(frequencies: torch.Tensor, axis: torch.Tensor) -> FixedRates:
-    """The ``FixedRates`` of frequencies (H, U) with axes (U,): their values read on the host (once per change of
-    the frequencies, by the caller's ``KeptUntilChanged``)."""
-    rows = frequencies[:1] if bool((frequencies == frequencies[:1]).all()) else frequencies
-    values = (tuple(rows.shape), tuple(rows.flatten().tolist()), tuple(axis.tolist()), rows.dtype, rows.device)
-    if values not in _FIXED_RATES:
-        _FIXED_RATES[values] = FixedRates(turn_rates(rows), radian_rates(rows), axis.clone(), len(_FIXED_RATES))
-    return _FIXED_RATES[values]
+    turns = kept_tensor(f"{name} turns", like, lambda: turn_rates(ladder()))
+    radians = kept_tensor(f"{name} radians", like, lambda: radian_rates(ladder()))
+    return FixedRates(turns, radians, axis, (name, like.dtype, like.device))
 
 
 SHARED_FACTORS = KeptForInput()  # the last positions' factors: made by a model's first layer, taken by the others
@@ -244,7 +244,7 @@ def shared_factors(positions, rates: FixedRates, dtype, few: bool, inverse: bool
         factor = unit_factors(unit_angles(positions, None, rates.axis, dtype, rates.turns), dtype)
         return factor, factor.conj_physical() if inverse else None
 
-    return SHARED_FACTORS.get(positions, (rates.index, dtype, few, inverse), derive)
+    return SHARED_FACTORS.get(positions, (rates.key, dtype, few, inverse), derive)
 
 
 def rotate_by_fixed(q, k, positions, rates: FixedRates, few: bool):
@@ -292,7 +292,7 @@ class RotaryPositionalEncoding(PositionalEncoding):
         self.num_heads, self.num_pairs, self.base, self.position_dims = num_heads, feature_dim // 2, base, position_dims
         self.register_initial_values(trainable={"frequencies": True} if learnable else {})
         self.turn_rates, self.radian_rates = CachedRates(), CachedRates(radian_rates)
-        self.kept_fixed_rates = KeptUntilChanged()
+        self.kept_ladder_check = KeptUntilChanged()
 
     def initial_values(self):
         frequencies = rotary_frequencies(self.num_pairs, self.base, self.position_dims).repeat(self.num_heads, 1)
@@ -303,12 +303,21 @@ class RotaryPositionalEncoding(PositionalEncoding):
         return cls(num_heads, feature_dim, options.rope_base, options.position_dims)
 
     def fixed_rates(self) -> FixedRates | None:
-        """The frequencies' ``FixedRates`` where they are fixed (they require no gradient: RoPE's), outside
-        compilation (which fuses the factors' derivation into each layer); None otherwise."""
-        frequencies, axis = self.frequencies, self.axis
+        """The ladder's ``FixedRates`` where the frequencies are fixed (no gradient: RoPE's) and hold the ladder, one
+        row repeated for every head (a buffer made from it, not saved with the model: checked once per change, on
+        the host); None otherwise (learnable or overwritten frequencies: each layer rotates by its own), and while
+        compiling (the compiler fuses the factors' derivation into each layer). A shape-only (fake) run reads no
+        values: its buffer was made from the ladder."""
+        frequencies = self.frequencies
         if frequencies.requires_grad or torch.compiler.is_compiling():
             return None
-        return self.kept_fixed_rates.get((frequencies, axis), lambda: fixed_rates(frequencies, axis))
+        if type(frequencies) is torch.Tensor and not self.kept_ladder_check.get((frequencies,), self.holds_ladder):
+            return None
+        return ladder_rates(self.num_pairs, self.base, self.position_dims, self.axis, frequencies)
+
+    def holds_ladder(self) -> bool:
+        ladder = rotary_frequencies(self.num_pairs, self.base, self.position_dims).to(self.frequencies)
+        return torch.equal(self.frequencies, ladder.expand_as(self.frequencies))
 
     def encode_features(self, q, k, positions):
         fixed = self.fixed_rates() if k.dtype == q.dtype else None
