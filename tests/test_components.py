@@ -515,7 +515,8 @@ def test_layers_with_fixed_frequencies_share_one_rotation_of_their_positions(mon
     """RoPE's fixed frequencies: the layers of a forward pass, each with its own view of the model's positions,
     take the rotation factors the first layer made (one derivation for a whole train step, eval pass or decoding
     step), and each layer's rotation and gradients are the written-out 2x2 rotation's. A layer with other
-    frequencies, positions written in place, or other positions with the same values get factors of their own."""
+    frequencies, positions written in place, or other positions with the same values get factors of their own, and
+    a layer whose fixed frequencies were written over rotates by its own values."""
     from lrpe_hf.modeling import positional_rope
     from lrpe_hf.modeling.positional_rope import RotaryPositionalEncoding
 
@@ -569,7 +570,13 @@ def test_layers_with_fixed_frequencies_share_one_rotation_of_their_positions(mon
         torch.testing.assert_close(layers[2].encode_features(q, k, views())[0], written_out(q, views()))
         position_ids = position_ids.clone()  # equal values, another tensor: made again, not read on the host
         layers[0].encode_features(q, k, views())
-    assert len(made) == 7
+        assert len(made) == 7
+        layers[1].frequencies[1:].mul_(0.5)  # written over (its heads now differ): rotated by its own values
+        theta = layers[1].frequencies[:, None, None, :].double()  # (H, 1, 1, 4)
+        angles = position_ids[:, None, :, None].double() * theta.transpose(0, 1)  # (B, H, N, 4)
+        even, odd = q[..., 0::2], q[..., 1::2]
+        own = torch.stack([even * angles.cos() - odd * angles.sin(), even * angles.sin() + odd * angles.cos()], -1)
+        torch.testing.assert_close(layers[1].encode_features(q, k, views())[0], own.flatten(-2))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
