@@ -785,6 +785,7 @@ def layer_ops(name: str, tokens: int, size=SIZE, fake: bool = True) -> tuple[lis
             warm = layer(x)
         (warm[0] if isinstance(warm, tuple) else warm).sum().backward()
         x.grad = None
+        layer.zero_grad(set_to_none=True)  # as an optimizer step leaves them: the next backward writes, not adds
         STAND_IN_CALLS.clear()
         recorded = OpBytes()
         with recorded, torch.autocast("cpu", dtype=torch.bfloat16):
