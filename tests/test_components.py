@@ -673,6 +673,37 @@ def test_a_decoding_steps_rotation_matches_the_turn_reduced_rotation_far_out(pos
         assert len(calls) == 1
 
 
+def test_a_decoding_steps_unitary_lift_is_the_float64_lift_rounded_once_far_out():
+    """LRPE Type 1 in a decoding step (few angles, no gradient): [x cos(s alpha), x sin(s alpha)] from unreduced
+    float64 angles, each product rounded once into float32: within half a float32 ulp of the float64 lift of the
+    same inputs at positions near 10^6, apart and stacked along the heads alike."""
+    from torch import nn
+
+    from lrpe_hf.modeling.positional_lrpe import LRPEUnitary
+
+    torch.manual_seed(0)
+    encoding = LRPEUnitary(num_heads=2, feature_dim=8, p=nn.Identity())
+    with torch.no_grad():
+        encoding.angles[:, 0] = 1.0  # a radian per position: about 160,000 turns at 10^6
+    positions = torch.randint(999_000, 1_000_000, (3, 1, 1))
+    q, k = torch.randn(3, 2, 1, 8), torch.randn(3, 2, 1, 8)
+    angles = positions.double()[:, None, :, 0, None] * encoding.angles.detach().double()[:, None, :]  # (3, 2, 1, 8)
+
+    def exact(x):
+        return torch.cat([x.double() * angles.cos(), x.double() * angles.sin()], dim=-1)
+
+    def within_half_ulp(got, want):
+        rounded = want.float()
+        half_ulp = (torch.nextafter(rounded.abs(), torch.tensor(float("inf"))) - rounded.abs()).double() / 2
+        return ((got.double() - want).abs() <= half_ulp * 1.001 + 1e-12).all()
+
+    with torch.no_grad():
+        apart = encoding.encode_features(q, k, positions)
+        stacked = encoding.encode_stacked(torch.cat([q, k], dim=1), positions)
+    for got, want in zip((*apart, stacked[:, :2], stacked[:, 2:]), (exact(q), exact(k), exact(q), exact(k))):
+        assert got.dtype == torch.float32 and within_half_ulp(got, want)
+
+
 @pytest.mark.parametrize("position_dims, same_rows", [(1, True), (1, False), (2, False)])
 @pytest.mark.parametrize("block_elements", [None, 40])  # 40: blocks of one token
 def test_unitary_lift_has_the_gradients_of_the_written_out_lift(position_dims, same_rows, block_elements, monkeypatch):

@@ -30,11 +30,13 @@ from .positional_encoding import (
     angle_blocks,
     axis_of_each,
     frequency_gradient,
+    radian_rates,
     turn_rates,
     unit_angles,
+    unit_coordinates,
 )
 from .positional_permute import PermutePositionalEncoding
-from .positional_rope import RotaryPositionalEncoding, rotary_frequencies
+from .positional_rope import RotaryPositionalEncoding, few_angles, rotary_frequencies
 from .reinitialisable import Reinitialisable
 
 
@@ -162,7 +164,7 @@ class LRPEUnitary(PositionalEncoding):
         self.p = p
         self.num_heads, self.feature_dim, self.position_dims, self.base = num_heads, feature_dim, position_dims, base
         self.register_initial_values(trainable={"angles": learnable_angles})
-        self.turn_rates = CachedRates()
+        self.turn_rates, self.radian_rates = CachedRates(), CachedRates(radian_rates)
 
     def initial_values(self):
         # One angle per feature dimension: alpha_i = base^(-2i/m) over each axis's share of the dimensions.
@@ -178,18 +180,27 @@ class LRPEUnitary(PositionalEncoding):
         q, k = apply_p(self.p, q, k)
         if wants_gradient(q, k, self.angles) and not torch.compiler.is_compiling():  # compiled: plain, fused ops
             return UnitaryLift.apply(q, k, positions, self.angles, self.axis, self.turn_rates(self.angles))
+        if few_angles(positions, self.angles):
+            cos, sin = self.few_cos_sin(positions)
+            return tuple(lift_into(x, cos, sin, x.new_empty(*x.shape[:-1], 2 * x.shape[-1])) for x in (q, k))
         return lift(q, k, unit_angles(positions, self.angles, self.axis, q.dtype, self.turn_rates(self.angles)))
 
     def encode_stacked(self, x, positions):
         """q and k stacked along the heads, x (B, 2H, N, m) -> (B, 2H, N, 2m): P once, and each of cos and sin
         multiplies both halves in one product, written into its half of the output (no concatenation)."""
-        if wants_gradient(x, self.angles):
+        if wants_gradient(x, self.angles) or not few_angles(positions, self.angles):
             return super().encode_stacked(x, positions)
-        angles = unit_angles(positions, self.angles, self.axis, x.dtype, self.turn_rates(self.angles))
-        cos, sin = angles.cos().to(x.dtype)[:, None], angles.sin().to(x.dtype)[:, None]  # (B', 1, H, N, m)
+        cos, sin = (t[:, None] for t in self.few_cos_sin(positions))  # (B', 1, H, N, m)
         pairs = apply_p_stacked(self.p, x).unflatten(1, (2, -1))  # (B, 2, H, N, m): queries, then keys
         lifted = lift_into(pairs, cos, sin, pairs.new_empty(*pairs.shape[:-1], 2 * pairs.shape[-1]))
         return lifted.flatten(1, 2)
+
+    def few_cos_sin(self, positions):
+        """cos and sin (B', H, N, m), float64, of a decoding step's few angles position * alpha, formed in float64
+        from the kept radian rates and left unreduced (as ``positional_rope.few_factors``): three ops where the
+        angles reduced in turns took five, and each product with them is rounded once into the features' dtype."""
+        angles = unit_coordinates(positions, self.axis) * self.radian_rates(self.angles)
+        return angles.cos(), angles.sin()
 
 
 def lift(q, k, angles):
