@@ -51,6 +51,24 @@ def test_each_op_that_computes_counts_once_not_its_children():
     ]
 
 
+def test_the_key_sums_helpers_count_their_products_only():
+    """The prefix sums: one product with the (kept) triangle of ones and the carry across chunks, and no copy of a
+    slice into itself (``x[:, 1:] += y`` writes the sum back through ``__setitem__``: one more launch). ``row_dot``:
+    one batched product where the elementwise product and its sum are two."""
+    from lrpe_hf.modeling.products_chunked import chunk_prefix_sums
+    from lrpe_hf.modeling.products_shared import row_dot
+
+    x = torch.randn(2, 32, 4)
+    for reverse in (False, True):
+        chunk_prefix_sums(x, 8, reverse)  # the triangle, made once and kept
+    assert counted(lambda: chunk_prefix_sums(x, 8)) == ["aten::bmm", "aten::cumsum", "aten::add_"]
+    carry = ["aten::flip", "aten::cumsum", "aten::flip", "aten::add_"]
+    assert counted(lambda: chunk_prefix_sums(x, 8, reverse=True)) == ["aten::bmm", *carry]
+    a, b = (torch.randn(2, 5, 3, 4).transpose(1, 2) for _ in range(2))  # stored tokens first, as the layers' are
+    row_dot(a, b)
+    assert counted(lambda: row_dot(a, b, alpha=-1.0)) == ["aten::baddbmm"]
+
+
 def test_backward_ops_count_and_the_product_is_told_apart():
     from lrpe_hf.modeling.attention_kernels import causal_linear_attention
 

@@ -206,17 +206,23 @@ def test_kept_constants_serve_training_after_inference_mode_and_never_meet_fake_
     "num_tokens, chunk_size, block_elements", [(29, 4, 128), (29, 4, 1 << 20), (29, 64, 1 << 20), (1, 64, 1 << 20)]
 )
 @pytest.mark.parametrize("with_initial", [False, True])
+@pytest.mark.parametrize("layout", ["tokens first", "heads first"])
 def test_causal_key_sums_equal_the_explicit_denominator(
-    num_tokens, chunk_size, block_elements, with_initial, monkeypatch
+    num_tokens, chunk_size, block_elements, with_initial, layout, monkeypatch
 ):
-    """q_s . (z_0 + sum_{t<=s} k_t) and z_0 + sum_t k_t, from tokens-first inputs, against the explicit masked
-    N x N sum: values and the gradients of q, k and z_0, the final sum receiving a gradient of its own, each output
-    alone, and without the final sum (``final_state=False``); in one block, and in blocks of one head and one row."""
+    """q_s . (z_0 + sum_{t<=s} k_t) and z_0 + sum_t k_t, from inputs stored tokens first (as the projections lay them:
+    summed in that layout where one block holds them) or heads first, against the explicit masked N x N sum: values
+    and the gradients of q, k and z_0, the final sum receiving a gradient of its own, each output alone, and without
+    the final sum (``final_state=False``); in one block, and in blocks of one head and one row."""
     monkeypatch.setattr(products_shared, "BLOCK_ELEMENTS", block_elements)
     torch.manual_seed(0)
     B, H, N, m = 2, 3, num_tokens, 5
-    leaves = [torch.rand(B, N, H, m, dtype=torch.float64, requires_grad=True) for _ in range(2)]
-    q, k = (x.transpose(1, 2) for x in leaves)
+    if layout == "tokens first":
+        leaves = [torch.rand(B, N, H, m, dtype=torch.float64, requires_grad=True) for _ in range(2)]
+        q, k = (x.transpose(1, 2) for x in leaves)
+    else:
+        leaves = [torch.rand(B, H, N, m, dtype=torch.float64, requires_grad=True) for _ in range(2)]
+        q, k = leaves
     initial = torch.rand(B, H, m, 1, dtype=torch.float64, requires_grad=True) if with_initial else None
     got, final = causal_key_sums(q, k, initial, chunk_size)
     start = initial if with_initial else torch.zeros(B, H, m, 1, dtype=torch.float64)
@@ -251,6 +257,50 @@ def test_causal_key_sums_equal_the_explicit_denominator(
     assert no_final is None
     for g, w in zip(gradients((denominator_only * grad).sum()), gradients((expected * grad).sum())):
         torch.testing.assert_close(g, w)
+
+
+@pytest.mark.parametrize("layout", ["tokens first", "heads first", "different", "strided"])
+@pytest.mark.parametrize("alpha", [1.0, -1.0])
+def test_row_dot_is_the_dot_product_of_each_row_in_any_layout(layout, alpha):
+    """alpha * sum_i x_i y_i over the last dim, (..., w) -> (..., 1), against the written-out sum in float64: rows
+    stored tokens first or heads first (one batched product), and x and y laid out differently or with gaps between
+    rows (the elementwise product and its sum)."""
+    from lrpe_hf.modeling.products_shared import row_dot
+
+    torch.manual_seed(0)
+    tokens_first, heads_first = torch.randn(2, 7, 3, 5).transpose(1, 2), torch.randn(2, 3, 7, 5)
+    x, y = {
+        "tokens first": (tokens_first, torch.randn(2, 7, 3, 5).transpose(1, 2)),
+        "heads first": (heads_first, torch.randn(2, 3, 7, 5)),
+        "different": (tokens_first, heads_first),
+        "strided": (torch.randn(2, 3, 7, 8)[..., :5], torch.randn(2, 3, 7, 8)[..., :5]),
+    }[layout]
+    got = row_dot(x, y, alpha)
+    expected = alpha * (x.double() * y.double()).sum(-1, keepdim=True)
+    assert got.shape == (2, 3, 7, 1)
+    torch.testing.assert_close(got.double(), expected, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_causal_key_sums_in_half_precision_keep_the_tokens_first_layout(dtype):
+    """Half-precision q and k stored tokens first (a GPU's bf16 training): the denominator is the explicit masked sum
+    to the dtype's precision (a few rounding steps relative to the largest entry, as for the products), and the
+    gradients come back in the inputs' dtype and layout, not copied into another."""
+    torch.manual_seed(0)
+    leaves = [torch.rand(2, 40, 3, 8, dtype=dtype, requires_grad=True) for _ in range(2)]
+    q, k = (x.transpose(1, 2) for x in leaves)
+    got, final = causal_key_sums(q, k, chunk_size=16)
+    exact_q, exact_k = (x.detach().double().requires_grad_() for x in (q, k))
+    expected = (exact_q @ exact_k.transpose(-1, -2)).tril().sum(-1, keepdim=True)
+    bound = 4 * torch.finfo(dtype).eps
+    torch.testing.assert_close(got.double(), expected, atol=bound * expected.abs().max().item(), rtol=0)
+    torch.testing.assert_close(final.double(), exact_k.sum(2).unsqueeze(-1), atol=bound * 40, rtol=0)
+    grad = torch.randn_like(got)
+    grads = torch.autograd.grad(got, (q, k), grad)
+    wanted = torch.autograd.grad(expected, (exact_q, exact_k), grad.double())
+    for got_grad, want in zip(grads, wanted):
+        assert got_grad.dtype == dtype and got_grad.transpose(1, 2).is_contiguous()
+        torch.testing.assert_close(got_grad.double(), want, atol=bound * want.abs().max().item(), rtol=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

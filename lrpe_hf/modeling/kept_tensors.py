@@ -1,8 +1,9 @@
 """Tensors made once and kept. Small constants (``kept_tensor``): the triangles of ones of the chunked prefix sums,
-the unit modulus of the rotations' ``torch.polar``. Values derived from parameters that want no gradient
-(``KeptUntilChanged``): a normalised vector, a table of rates, a log of decays, SPE's seeded products. Values derived
-from an input that every layer of a forward pass receives (``KeptForInput``): fixed rotations of the positions. On a
-GPU each one made afresh is a kernel launch per call (or a host read)."""
+the unit modulus of the rotations' ``torch.polar``, the zero of ``row_dot``'s product. Values derived from parameters
+that want no gradient (``KeptUntilChanged``): a normalised vector, a table of rates, a log of decays, SPE's seeded
+products. Values derived from an input that every layer of a forward pass receives (``KeptForInput``): fixed
+rotations of the positions, the positions in turns. On a GPU each one made afresh is a kernel launch per call (or a
+host read)."""
 
 import weakref
 

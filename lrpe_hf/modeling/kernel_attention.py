@@ -28,7 +28,7 @@ from .attention_state import TensorState
 from .feature_maps import FEW_ELEMENTS, FeatureMap, Features
 from .gradients import wants_gradient
 from .products_chunked import causal_key_sums
-from .products_shared import divide_rows
+from .products_shared import divide_rows, row_dot
 from .products_triton import on_kernel_device
 from .registry import build_feature_map
 
@@ -74,7 +74,7 @@ class DivideByDenominator(torch.autograd.Function):
             grad_denominator = torch.linalg.vecdot(grad, result, dim=-1).unsqueeze(-1).mul(reciprocal).neg_()
         else:  # the numerator's gradient first: the denominator's is its sum with the result, one product fewer
             grad_numerator = grad * reciprocal
-            grad_denominator = torch.linalg.vecdot(grad_numerator, result, dim=-1).unsqueeze(-1).neg_()
+            grad_denominator = row_dot(grad_numerator, result, alpha=-1.0)
         grad_eps = grad_denominator.sum_to_size(ctx.eps_shape) if ctx.needs_input_grad[2] else None
         return grad_numerator, grad_denominator.to(ctx.denominator_dtype), grad_eps, None
 

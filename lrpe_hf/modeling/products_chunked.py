@@ -13,7 +13,16 @@ from torch.autograd.function import once_differentiable
 from torch.nn import functional as F
 
 from .kept_tensors import kept_tensor
-from .products_shared import Scratch, batch_head_blocks, block_of, chunk_length, chunks_of, heads_first, product_dtype
+from .products_shared import (
+    Scratch,
+    batch_head_blocks,
+    block_of,
+    chunk_length,
+    chunks_of,
+    heads_first,
+    product_dtype,
+    row_dot,
+)
 
 
 def add_state_products(target, left, states, initial, num_chunks):
@@ -40,18 +49,18 @@ def running_sum_(x: torch.Tensor, block: int = 16) -> torch.Tensor:
     full = n - n % block
     blocks = x[:, :full].unflatten(1, (full // block, block))  # (G, nb, block, ...)
     for row in range(1, block if full else 0):
-        blocks[:, :, row] += blocks[:, :, row - 1]
+        blocks[:, :, row].add_(blocks[:, :, row - 1])
     totals = blocks[:, :, -1]  # each block's last row: after this loop, the running sum up to it
     for index in range(1, totals.shape[1]):
-        totals[:, index] += totals[:, index - 1]
+        totals[:, index].add_(totals[:, index - 1])
     if full > block:
-        blocks[:, 1:, :-1] += totals[:, :-1, None]
+        blocks[:, 1:, :-1].add_(totals[:, :-1, None])
     rest = x[:, full:]
     if rest.shape[1]:
         if full:
-            rest[:, 0] += totals[:, -1]
+            rest[:, 0].add_(totals[:, -1])
         for row in range(1, rest.shape[1]):
-            rest[:, row] += rest[:, row - 1]
+            rest[:, row].add_(rest[:, row - 1])
     return x
 
 
@@ -88,7 +97,7 @@ def running_states(chunk_states, start, num_chunks, decay=None):
     (heads * nc, m, w), start (heads, m, w) or None. ``decay`` (heads,): each state decays by it per chunk (and
     start by it once, in the first chunk), or None."""
     if start is not None:
-        chunk_states[::num_chunks] += start if decay is None else start * decay[:, None, None]
+        chunk_states[::num_chunks].add_(start if decay is None else start * decay[:, None, None])
     states = chunk_states.view(-1, num_chunks, *chunk_states.shape[1:])
     if decay is None:
         running_sum_(states)
@@ -332,28 +341,54 @@ def chunk_prefix_sums(x, chunk_size: int, reverse: bool = False, out=None):
     sums = torch.matmul(triangle, chunks) if out is None else torch.matmul(triangle, chunks, out=out.view(chunks.shape))
     if reverse:  # each chunk's total is its first row; every chunk adds the totals of the chunks after it
         carried = sums[:, :, 0].flip(1).cumsum(1).flip(1)
-        sums[:, :-1] += carried[:, 1:, None]
+        sums[:, :-1].add_(carried[:, 1:, None])
     else:
         carried = sums[:, :, -1].cumsum(1)
-        sums[:, 1:] += carried[:, :-1, None]
+        sums[:, 1:].add_(carried[:, :-1, None])
     return sums.view(G, N, m)
+
+
+def tokens_first(*xs) -> bool:
+    """Whether each x (B, H, N, m) lies in memory as (B, N, H, m): as the projections and fla's kernels lay it."""
+    return all(x.transpose(1, 2).is_contiguous() for x in xs)
+
+
+def pad_tokens(x, pad: int):
+    """x (B, H, N, m) with ``pad`` zero tokens appended, in x's layout where it is ``tokens_first``."""
+    if tokens_first(x):
+        return F.pad(x.transpose(1, 2), (0, 0, 0, 0, 0, pad)).transpose(1, 2)
+    return F.pad(x, (0, 0, 0, pad))
 
 
 class CausalKeySums(torch.autograd.Function):
     """The ungated causal denominator q_s . (z_0 + sum_{t<=s} k_t) and the final key sum z_0 + sum_t k_t, by prefix
     sums of the keys (``chunk_prefix_sums``): O(N m), where the chunked product with a ones column computes every
-    C x C score. Blocks of rows and heads at a time, as ``ChunkedCausalProduct``; saves its inputs, and backward
-    recomputes the prefix sums (the keys' gradient is a suffix sum).
+    C x C score. Saves its inputs, and backward recomputes the prefix sums (the keys' gradient is a suffix sum).
 
-    q, k (B, H, N, m) in any layout, N a multiple of C; initial (B, H, m, 1) or None; ``dtype``: the dtype of the
-    sums; ``final_state``: whether the final key sum is wanted (a caller with no cache to continue wants none).
-    Returns (B, H, N, 1) and (B, H, m, 1) or None, stored heads-first. An output whose gradient does not come
-    (the final key sum, unused) is not given one as zeros (no launch to make them, none to add them).
+    q, k (B, H, N, m), N a multiple of C; initial (B, H, m, 1) or None; ``dtype``: the dtype of the sums;
+    ``final_state``: whether the final key sum is wanted (a caller with no cache to continue wants none). Returns
+    (B, H, N, 1) and (B, H, m, 1) or None. An output whose gradient does not come (the final key sum, unused) is not
+    given one as zeros (no launch to make them, none to add them).
+
+    Two layouts. q and k stored tokens first (``tokens_first``), off the CPU or where one block holds them: every row
+    and head at once, in that layout (the prefix sums of a row's (N, H m) keys), without a copy into another; the
+    outputs and gradients are laid out so too. Otherwise blocks of rows and heads at a time, as
+    ``ChunkedCausalProduct``, each copied heads first where it is not (a CPU's caches hold a block).
     """
 
     @staticmethod
     def forward(ctx, q, k, initial, chunk_size, dtype, final_state=True):
         B, H, N, m = q.shape
+        ctx.save_for_backward(q, k, initial)
+        ctx.chunk_size, ctx.dtype = chunk_size, dtype
+        ctx.set_materialize_grads(False)
+        one_block = len(batch_head_blocks(B, H, N // chunk_size, chunk_size)) == 1
+        ctx.whole = tokens_first(q, k) and (not q.is_cpu or one_block)
+        if ctx.whole:
+            sums = CausalKeySums.whole_key_sums(k, initial, chunk_size, dtype)  # (B, N, H * m)
+            denominator = row_dot(q.transpose(1, 2).to(dtype), sums.view(B, N, H, m))  # (B, N, H, 1)
+            final = sums[:, -1].view(B, H, m, 1).clone() if final_state else None
+            return denominator.transpose(1, 2), final
         denominator = heads_first(B, H, N, 1, q, dtype)
         final = heads_first(B, H, m, 1, q, dtype) if final_state else None
         scratch = Scratch()
@@ -363,9 +398,6 @@ class CausalKeySums(torch.autograd.Function):
             torch.linalg.vecdot(qf, sums, out=block_of(denominator, rows, heads).view(-1, N))
             if final is not None:
                 block_of(final, rows, heads).view(-1, m).copy_(sums[:, -1])
-        ctx.save_for_backward(q, k, initial)
-        ctx.chunk_size, ctx.dtype = chunk_size, dtype
-        ctx.set_materialize_grads(False)
         return denominator, final
 
     @staticmethod
@@ -377,11 +409,23 @@ class CausalKeySums(torch.autograd.Function):
         return sums
 
     @staticmethod
+    def whole_key_sums(k, initial, chunk_size, dtype):
+        """z_0 + sum_{t<=s} k_t for every row and head of k (B, H, N, m) stored tokens first: (B, N, H * m)."""
+        B, H, N, m = k.shape
+        sums = chunk_prefix_sums(k.transpose(1, 2).to(dtype).view(B, N, H * m), chunk_size)
+        if initial is not None:
+            sums += initial.to(dtype).reshape(B, 1, H * m)
+        return sums
+
+    @staticmethod
     @once_differentiable
     def backward(ctx, grad, grad_final):
         q, k, initial = ctx.saved_tensors
         if grad is None:  # only the final key sum reaches the loss
             grad = q.new_zeros(*q.shape[:3], 1, dtype=ctx.dtype)
+        if ctx.whole:
+            grads = CausalKeySums.whole_backward(q, k, initial, grad, grad_final, ctx.chunk_size, ctx.dtype)
+            return *grads, None, None, None
         C, dtype = ctx.chunk_size, ctx.dtype
         B, H, N, m = q.shape
         grad_q, grad_k = (heads_first(B, H, N, m, x) for x in (q, k))
@@ -406,6 +450,20 @@ class CausalKeySums(torch.autograd.Function):
                 block_of(grad_initial, rows, heads).view(-1, m).copy_(later[:, 0])
         return grad_q, grad_k, grad_initial, None, None, None
 
+    @staticmethod
+    def whole_backward(q, k, initial, grad, grad_final, chunk_size, dtype):
+        """The gradients of q, k and z_0 for the tokens-first layout, each laid out as its input."""
+        B, H, N, m = q.shape
+        per_token = grad.transpose(1, 2)  # (B, N, H, 1)
+        sums = CausalKeySums.whole_key_sums(k, initial, chunk_size, dtype).view(B, N, H, m)
+        grad_q = torch.mul(sums, per_token, out=q.new_empty(B, N, H, m))  # rounded once into q's dtype
+        later = chunk_prefix_sums((q.transpose(1, 2) * per_token).view(B, N, H * m), chunk_size, reverse=True)
+        if grad_final is not None:  # (a sum over s >= t)
+            later += grad_final.to(dtype).reshape(B, 1, H * m)
+        grad_initial = None if initial is None else later[:, 0].reshape(B, H, m, 1).to(initial.dtype, copy=True)
+        grad_k = later.view(B, N, H, m).to(k.dtype)
+        return grad_q.transpose(1, 2), grad_k.transpose(1, 2), grad_initial
+
 
 def causal_key_sums(
     q, k, initial=None, chunk_size: int | None = None, update_in_place: bool = False, final_state: bool = True
@@ -425,7 +483,7 @@ def causal_key_sums(
     device = q.device.type
     pad = (-N) % C
     if pad:
-        q, k = (F.pad(x, (0, 0, 0, pad)) for x in (q, k))
+        q, k = (pad_tokens(x, pad) for x in (q, k))
     with torch.autocast(device, enabled=False):
         # compiled, the Function makes every output (dynamo takes no None among them), and an unwanted one is dropped
         made = final_state or torch.compiler.is_compiling()

@@ -8,6 +8,8 @@ import math
 
 import torch
 
+from .kept_tensors import kept_tensor
+
 BLOCK_ELEMENTS = 1 << 20  # the C x C scores of one block of the chunked products: 4 MB in float32
 
 
@@ -118,3 +120,23 @@ def product_dtype(*tensors) -> torch.dtype:
     if torch.is_autocast_enabled(device):
         return torch.get_autocast_dtype(device)
     return torch.promote_types(tensors[0].dtype, tensors[1].dtype)
+
+
+def row_dot(x: torch.Tensor, y: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
+    """alpha * sum_i x[..., i] y[..., i]: x, y (..., w) -> (..., 1). One batched product of the rows, in the order
+    they lie in memory, where x and y share one layout in which each row's elements are adjacent and the rows follow
+    one another (the layers' tensors are laid out so): one op and no full-size temporary, where the elementwise
+    product and its sum take two (and the batched product was 2.5x faster on a CPU); otherwise those two. Compiled,
+    the two, which the compiler fuses."""
+    dense = x.shape == y.shape and x.stride() == y.stride() and x.dtype == y.dtype and x.stride(-1) == 1
+    if dense and not torch.compiler.is_compiling():
+        order = sorted(range(x.dim() - 1), key=x.stride, reverse=True)  # the rows' dims, outermost first
+        rows_x, rows_y = x.permute(*order, -1), y.permute(*order, -1)
+        if rows_x.is_contiguous():
+            w = x.shape[-1]
+            zero = kept_tensor("zero", x, lambda: torch.zeros((), dtype=x.dtype, device=x.device))
+            dots = torch.baddbmm(zero, rows_x.view(-1, 1, w), rows_y.view(-1, w, 1), beta=0, alpha=alpha)
+            inverse = sorted(range(len(order)), key=order.__getitem__)
+            return dots.view(*rows_x.shape[:-1], 1).permute(*inverse, -1)
+    dots = torch.linalg.vecdot(x, y).unsqueeze(-1)
+    return dots if alpha == 1 else dots * alpha
