@@ -416,8 +416,8 @@ class StandInKernel(torch.autograd.Function):
             _inside_stand_in[0] += 1
             try:
                 out, final = reference(q, k, v, gates(q, g, g_gamma), initial_state)
-                # fla returns its output in q's dtype, and no final state unless asked for one
-                return out.to(q.dtype), final if output_final_state else None
+                # fla returns its output in q's dtype, contiguous (B, N, H, V), and no final state unless asked for one
+                return out.to(q.dtype).contiguous(), final if output_final_state else None
             finally:
                 _inside_stand_in[0] -= 1
 
@@ -441,7 +441,8 @@ class StandInKernel(torch.autograd.Function):
                     grads = torch.autograd.grad(
                         [y for y, _ in pairs], wanted, [dy for _, dy in pairs], allow_unused=True
                     )
-                grads = iter(grads)
+                # fla writes each gradient into a new contiguous tensor of its input's shape
+                grads = iter([None if g is None else g.contiguous() for g in grads])
                 return (None, None, *[next(grads) if need else None for need in needs], None)
             finally:
                 _inside_stand_in[0] -= 1
