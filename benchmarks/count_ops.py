@@ -258,6 +258,7 @@ def one_block():
     block off the CPU (they test ``is_cpu``); FastRPB's transposing copy and the LM loss's rows split on every
     device. ``feature_maps.FEW_ELEMENTS`` is set with them: 1 + elu then takes the branch a GPU takes (elu and an
     add), not the CPU's cache-friendly four passes."""
+    import lrpe_hf.modeling.positional_rope as positional_rope
     import lrpe_hf.modeling.positional_spe as positional_spe
     from lrpe_hf.modeling import feature_maps, lm_loss, positional_fastrpb, products_shared
     from lrpe_hf.modeling.positional_lrpe import UnitaryLift
@@ -273,6 +274,7 @@ def one_block():
         (lm_loss, "ROWS_PER_BLOCK"),  # rows of logits per block of the LM loss
         (positional_fastrpb, "TRANSPOSE_BLOCK"),  # tokens per block of FastRPB's copy into its FFT buffer
         (RotateQueriesAndKeys, "BLOCK_ELEMENTS"),  # RoPE's rotation
+        (positional_rope, "CPU_POLAR_ANGLES"),  # below it, exp(i angle) takes a GPU's one op (polar), not three
         (UnitaryLift, "BLOCK_ELEMENTS"),  # LRPE's unitary lift
         (CyclicPermutations, "BLOCK_ELEMENTS"),  # PermuteFormer's permutation (on every device)
         (SineMixing, "BLOCK_ELEMENTS"),  # sineSPE's mixing

@@ -450,17 +450,22 @@ def test_rope_rotation_matches_rotary_embedding_torch():
 @pytest.mark.parametrize("tokens_first", [False, True])  # the projections' layout: pairs read in place (width 6)
 @pytest.mark.parametrize("block_elements", [None, 80])  # 80: blocks of 2 tokens (1 at width 7), the last one short
 @pytest.mark.parametrize("rows", ["same", "distinct", "one"])  # batch rows sharing their positions or not; one row
+@pytest.mark.parametrize("factors", ["cos and sin", "polar"])  # a CPU's unit factors, and a GPU's (one polar)
 def test_rotation_of_queries_and_keys_has_the_gradients_of_the_written_out_rotation(
-    width, tokens_first, block_elements, rows, monkeypatch
+    width, tokens_first, block_elements, rows, factors, monkeypatch
 ):
-    """The lighter backward (outputs turned back by -angle, the angles recomputed from the positions) against
-    autograd through the real 2x2 rotation [e cos - o sin, e sin + o cos], angles position * theta, theta learnable
-    as for LRPE's Type 2, in one block of tokens and in several, for the gradients of q and k together and of
-    either alone; and the plain path without autograd (decoding) gives the same rotation."""
+    """The lighter backward (outputs turned back by the conjugate factors, the angles recomputed from the positions)
+    against autograd through the real 2x2 rotation [e cos - o sin, e sin + o cos], angles position * theta, theta
+    learnable as for LRPE's Type 2, in one block of tokens and in several, with the unit factors a CPU makes (cos
+    and sin) and a GPU's (polar), for the gradients of q and k together and of either alone; and the plain path
+    without autograd (decoding) gives the same rotation."""
+    from lrpe_hf.modeling import positional_rope
     from lrpe_hf.modeling.positional_rope import RotateQueriesAndKeys, rotate_queries_and_keys
 
     if block_elements:
         monkeypatch.setattr(RotateQueriesAndKeys, "BLOCK_ELEMENTS", block_elements)
+    if factors == "polar":
+        monkeypatch.setattr(positional_rope, "CPU_POLAR_ANGLES", 1 << 62)
     torch.manual_seed(0)
 
     B = 1 if rows == "one" else 2
@@ -496,19 +501,64 @@ def test_rotation_of_queries_and_keys_has_the_gradients_of_the_written_out_rotat
     want = torch.autograd.grad(expected, inputs, grads, retain_graph=True)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w)
-    # with the rates a module keeps for fixed frequencies (rope's), handed in rather than made: the same numbers
+    # with the rates a module keeps for fixed frequencies (rope's), handed in rather than made: the same numbers but
+    # for the rounding of the float64 turns, p (theta / 2 pi) against (p / 2 pi) theta (a few ulps of p theta <= 40)
     from lrpe_hf.modeling.positional_encoding import turn_rates
 
+    rounding = 8 * 40 * torch.finfo(torch.float64).eps
     kept = rotate_queries_and_keys(q, k, positions, theta, axis, rates=turn_rates(theta.detach()))
     for a, b in zip(kept, ours):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
+        torch.testing.assert_close(a, b, rtol=0, atol=rounding * b.abs().max().item())
     for a, b in zip(torch.autograd.grad(kept, (q, k), grads, retain_graph=True), got[:2]):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
+        torch.testing.assert_close(a, b, rtol=0, atol=rounding * b.abs().max().item())
     for alone in range(2):  # only the queries' output used, then only the keys'
         got = torch.autograd.grad(ours[alone], (inputs[alone], theta), grads[alone], retain_graph=True)
         want = torch.autograd.grad(expected[alone], (inputs[alone], theta), grads[alone], retain_graph=True)
         for g, w in zip(got, want):
             torch.testing.assert_close(g, w)
+
+
+def test_layers_with_learnable_angles_share_the_positions_in_turns(monkeypatch):
+    """LRPE's learnable angles (Types 1 and 2): each layer's angles are its own, but the positions over 2 pi they
+    multiply are made once per forward pass for all layers (and again for other positions, or positions written
+    in place); each layer's rotation and angle gradients are the written-out ones."""
+    from lrpe_hf.modeling import positional_encoding
+    from lrpe_hf.modeling.positional_rope import RotaryPositionalEncoding
+
+    made = []
+    derive = positional_encoding.unit_coordinates
+    monkeypatch.setattr(positional_encoding, "unit_coordinates", lambda *args: made.append(1) or derive(*args))
+    torch.manual_seed(0)
+    layers = [RotaryPositionalEncoding(num_heads=3, feature_dim=8, learnable=True).double() for _ in range(3)]
+    for layer in layers:
+        with torch.no_grad():
+            layer.frequencies.mul_(torch.rand_like(layer.frequencies) + 0.5)  # each layer's angles its own
+    position_ids = torch.arange(7, 47)[None].expand(2, -1)
+
+    def views():
+        return position_ids[..., None].expand(2, -1, -1)
+
+    q, k = (torch.randn(2, 3, 40, 8, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    grads = [torch.randn(2, 3, 40, 8, dtype=torch.float64) for _ in range(2)]
+    for layer in layers:
+        ours = layer.encode_features(q, k, views())
+        angles = position_ids[:, None, :, None].double() * layer.frequencies[:, None]  # (B, H, N, 4)
+        cos, sin = angles.cos(), angles.sin()
+        expected = [
+            torch.stack([x[..., 0::2] * cos - x[..., 1::2] * sin, x[..., 0::2] * sin + x[..., 1::2] * cos], -1)
+            .flatten(-2) for x in (q, k)
+        ]  # fmt: skip
+        for got, want in zip(ours, expected):
+            torch.testing.assert_close(got, want)
+        inputs = (q, k, layer.frequencies)
+        for g, w in zip(torch.autograd.grad(ours, inputs, grads), torch.autograd.grad(expected, inputs, grads)):
+            torch.testing.assert_close(g, w)
+    assert len(made) == 1  # forward and backward of three layers
+    position_ids = position_ids.clone()
+    layers[0].encode_features(q, k, views())
+    position_ids.add_(1)
+    layers[1].encode_features(q, k, views())
+    assert len(made) == 3
 
 
 def test_layers_with_fixed_frequencies_share_one_rotation_of_their_positions(monkeypatch):

@@ -148,31 +148,57 @@ def unit_coordinates(positions: torch.Tensor, axis: torch.Tensor) -> torch.Tenso
     return coordinates[:, None]
 
 
+TURN_COORDINATES = KeptForInput()  # the positions over 2 pi: made by a forward pass's first layer for all layers
+
+
+def turn_coordinates(positions: torch.Tensor, axis: torch.Tensor) -> torch.Tensor:
+    """``unit_coordinates`` over 2 pi, float64 (B', 1, N, U or 1): times frequencies in radians per unit of position,
+    the angles in turns, in one product per layer (exact but for its one rounding: float32 frequencies convert
+    exactly). In 1D made once for all layers from their shared positions (``TURN_COORDINATES``)."""
+
+    def derive():
+        return unit_coordinates(positions, axis).to(torch.float64).div_(2 * math.pi)
+
+    return TURN_COORDINATES.get(positions, "turns", derive) if positions.shape[-1] == 1 else derive()
+
+
 def unit_angles(positions: torch.Tensor, frequencies: torch.Tensor, axis: torch.Tensor, dtype, rates=None):
     """position * frequency for every (head, unit), reduced to less than one turn: (B', H, N, U), B' from
     distinct_rows; negative where position * frequency is.
 
     positions (B, N, A) int, frequencies (H, U), axis (U,); ``rates``: ``turn_rates(frequencies)`` where the caller
-    keeps them. The angle is formed in turns and reduced in float64, so that large positions stay exact, and
-    returned in ``dtype`` (at least float32). (The fractional part of the turns took a quarter of the time of
-    ``torch.remainder`` by 2 pi on a CPU.)
+    keeps them (fixed frequencies), else the frequencies multiply the ``turn_coordinates``. The angle is formed in
+    turns and reduced in float64, so that large positions stay exact, and returned in ``dtype`` (at least float32).
+    (The fractional part of the turns took a quarter of the time of ``torch.remainder`` by 2 pi on a CPU.)
     """
-    turns = (unit_coordinates(positions, axis) * (turn_rates(frequencies) if rates is None else rates)).frac_()
+    if rates is None:
+        return reduced_angles(turn_coordinates(positions, axis) * frequencies[:, None], dtype)
+    return reduced_angles(unit_coordinates(positions, axis) * rates, dtype)
+
+
+def reduced_angles(turns: torch.Tensor, dtype) -> torch.Tensor:
+    """Angles in turns (float64) reduced to less than one turn, in radians of ``dtype`` (at least float32)."""
+    turns = turns.frac_()
     dtype = torch.promote_types(dtype, torch.float32)
     if torch.compiler.is_compiling() or turns.requires_grad:  # (out= takes no gradient)
         return turns.mul_(2 * math.pi).to(dtype)
     return torch.mul(turns, 2 * math.pi, out=turns.new_empty(turns.shape, dtype=dtype))  # rounded once, as .to()
 
 
-def angle_blocks(positions, rates, axis, dtype, shape, block_elements):
+def angle_blocks(positions, frequencies, rates, axis, dtype, shape, block_elements):
     """``(tokens, unit_angles(positions[:, tokens], ...))`` for consecutive blocks of the tokens of features of
-    ``shape`` (B, H, N, width), each holding about ``block_elements`` feature elements, from the frequencies'
-    ``turn_rates`` (H, 1, U): on a CPU, the angles of a rotation made and used a block at a time, so that neither
-    they nor the float64 turns behind them are made whole and a block's passes stay in cache. On an accelerator
-    one block: there each block costs kernel launches."""
+    ``shape`` (B, H, N, width), each holding about ``block_elements`` feature elements, from the frequencies (H, U)
+    or their ``turn_rates`` (H, 1, U) where the caller keeps them: on a CPU, the angles of a rotation made and used a
+    block at a time, so that neither they nor the float64 turns behind them are made whole and a block's passes
+    stay in cache. On an accelerator one block: there each block costs kernel launches."""
     rows = distinct_rows(positions)
     B, H, N, width = shape
-    blocks = token_blocks(N, B * H * width, block_elements) if rates.is_cpu else [slice(None)]
+    blocks = token_blocks(N, B * H * width, block_elements) if positions.is_cpu else [slice(None)]
+    if rates is None:  # the turn coordinates made whole (one row of positions, small), each block a slice of them
+        coordinates = turn_coordinates(rows, axis)
+        for tokens in blocks:
+            yield tokens, reduced_angles(coordinates[:, :, tokens] * frequencies[:, None], dtype)
+        return
     for tokens in blocks:
         yield tokens, unit_angles(rows[:, tokens], None, axis, dtype, rates)
 
@@ -181,13 +207,16 @@ FLOAT_POSITIONS = KeptForInput()  # the positions as floats, made by the first l
 
 
 def frequency_gradient(grad_angles: torch.Tensor, positions: torch.Tensor, axis: torch.Tensor) -> torch.Tensor:
-    """The gradient of the frequencies (H, U) of ``unit_angles`` from that of its angles (B, H, N, U): for each
-    unit, the sum over rows and tokens of the position along the unit's axis times the angle's gradient (the
-    reduction to less than one turn has derivative one). positions (B or 1, N, A), converted to floats once for
-    every layer (``FLOAT_POSITIONS``); one row and one axis take no sum over rows and no gather."""
+    """The gradient of the frequencies (H, U) of ``unit_angles`` from that of its angles (B, H, N, U), real, or complex
+    with the gradient as its imaginary part: for each unit, the sum over rows and tokens of the position along the
+    unit's axis times the angle's gradient (the reduction to less than one turn has derivative one). positions
+    (B or 1, N, A), converted once for every layer (``FLOAT_POSITIONS``); one row and one axis take no sum over rows
+    and no gather."""
     wide = torch.promote_types(grad_angles.dtype, torch.float32)
     coordinates = FLOAT_POSITIONS.get(positions, wide, lambda: positions.to(wide)).transpose(-1, -2)[:, None]
     per_axis = coordinates @ grad_angles.to(wide)  # (B, H, A, U)
+    if per_axis.is_complex():
+        per_axis = per_axis.imag
     per_axis = per_axis[0] if per_axis.shape[0] == 1 else per_axis.sum(0)  # (H, A, U)
     if per_axis.shape[1] == 1:  # one position axis: every unit follows it
         return per_axis[:, 0]

@@ -31,7 +31,6 @@ from .positional_encoding import (
     axis_of_each,
     frequency_gradient,
     radian_rates,
-    turn_rates,
     unit_angles,
     unit_coordinates,
 )
@@ -224,7 +223,8 @@ class UnitaryLift(torch.autograd.Function):
     (``unit_angles`` of positions (B, N, A), alpha (H, m), axis (m,)). Saves the outputs (the attention keeps them
     anyway) and the positions: backward recomputes the angles, needs x only through the outputs, and turns the
     angles' gradient sum grad_sin * y_cos - grad_cos * y_sin into alpha's (``frequency_gradient``). ``rates``:
-    ``turn_rates(alpha)`` where the caller keeps them (fixed angles), else made once here for both directions.
+    ``turn_rates(alpha)`` where the caller keeps them (fixed angles), else None: alpha multiplies the positions'
+    ``turn_coordinates``, made by the first layer for all.
 
     Both directions work a block of tokens at a time, writing each product into its place in the output: the
     block's cos, sin and products stay in cache, and no full-size temporary (nor the concatenation) is made."""
@@ -235,8 +235,8 @@ class UnitaryLift(torch.autograd.Function):
     def forward(ctx, q, k, positions, alpha, axis, rates):
         m = alpha.shape[-1]
         lifted = [x.new_empty(*x.shape[:-1], 2 * m) for x in (q, k)]
-        rates = turn_rates(alpha.detach()) if rates is None else rates
-        blocks = angle_blocks(positions, rates, axis, q.dtype, q.shape, UnitaryLift.BLOCK_ELEMENTS)
+        alpha = alpha.detach()
+        blocks = angle_blocks(positions, alpha, rates, axis, q.dtype, q.shape, UnitaryLift.BLOCK_ELEMENTS)
         for tokens, angles in blocks:
             cos, sin = angles.cos().to(q.dtype), angles.sin().to(q.dtype)
             for x, y in zip((q, k), lifted):
@@ -254,7 +254,7 @@ class UnitaryLift(torch.autograd.Function):
         want_alpha = ctx.needs_input_grad[3]
         grad_angles = lifted[0].new_empty(*lifted[0].shape[:-1], m) if want_alpha else None
         shape = terms[0][2].shape
-        for tokens, angles in angle_blocks(positions, rates, axis, dtype, shape, UnitaryLift.BLOCK_ELEMENTS):
+        for tokens, angles in angle_blocks(positions, alpha, rates, axis, dtype, shape, UnitaryLift.BLOCK_ELEMENTS):
             cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
             for index, (y, grad, grad_x) in enumerate(terms):
                 grad_cos, grad_sin = grad[:, :, tokens, :m], grad[:, :, tokens, m:]
