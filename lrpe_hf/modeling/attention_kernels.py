@@ -97,7 +97,7 @@ def causal_linear_attention(
             q, k, v, log_gates, initial_state, chunk_size, resets, with_denominator, dtype, backend
         )
         if divide_eps is not None:
-            out = divide_rows(out, denominator, divide_eps, with_reciprocal=False)[0]
+            out = divide_rows(out, denominator, divide_eps)[0]
         return out, denominator, final if final_state else None
     decay = uniform_decay(log_gates, initial_state, resets, known_decay) if N > 1 else None  # one token: its gate
     if backend == "torch":
@@ -113,7 +113,7 @@ def causal_linear_attention(
             final_state=final_state,
         )  # fmt: skip
         if divide_eps is not None:
-            out = divide_rows(out, denominator, divide_eps, with_reciprocal=False)[0]
+            out = divide_rows(out, denominator, divide_eps)[0]
         return out, denominator, final if final_state else None
     if resets is not None and log_gates is None:
         log_gates = q.new_zeros(B, H, N, dtype=torch.promote_types(q.dtype, torch.float32))
@@ -147,7 +147,7 @@ def causal_linear_attention(
     if with_denominator:  # one split: its backward joins the two gradients, where slices would each fill a zero one
         out, denominator = out.split([out.shape[-1] - 1, 1], dim=-1)
         if divide_eps is not None:
-            out = divide_rows(out, denominator, divide_eps, with_reciprocal=False)[0]
+            out = divide_rows(out, denominator, divide_eps)[0]
         return out, denominator, final if final_state else None
     return out, None, final if final_state else None
 

@@ -46,7 +46,7 @@ def updates_in_place(state) -> bool:
 
 
 class DivideByDenominator(torch.autograd.Function):
-    """``divide_rows`` for autograd, saving the result and the reciprocal only."""
+    """``divide_rows`` for autograd, saving the result and the divisor only."""
 
     @staticmethod
     def divide(numerator, denominator, eps, guard=None):
@@ -54,26 +54,26 @@ class DivideByDenominator(torch.autograd.Function):
         differentiates the plain division itself)."""
         if wants_gradient(numerator, denominator, eps) and not torch.compiler.is_compiling():
             return DivideByDenominator.apply(numerator, denominator, eps, guard)
-        return divide_rows(numerator, denominator, eps, guard, with_reciprocal=False)[0]
+        return divide_rows(numerator, denominator, eps, guard)[0]
 
     @staticmethod
     def forward(ctx, numerator, denominator, eps, guard=None):
-        result, reciprocal = divide_rows(numerator, denominator, eps, guard)
-        ctx.save_for_backward(result, reciprocal)
+        result, divisor = divide_rows(numerator, denominator, eps, guard)
+        ctx.save_for_backward(result, divisor)
         ctx.eps_shape = eps.shape if isinstance(eps, torch.Tensor) else None
         ctx.denominator_dtype = denominator.dtype
         return result
 
     @staticmethod
     def backward(ctx, grad):
-        result, reciprocal = ctx.saved_tensors
+        result, divisor = ctx.saved_tensors
         # d(n / D)/dn = 1 / D; d(n / D)/dD = -(n / D) / D, summed over the row with the output's gradient (in the
-        # reciprocal's dtype, float32 for float16 inputs, then cast to each input's)
-        if reciprocal.dtype != grad.dtype:  # float16: the row's sum in float16, then times the float32 reciprocal
-            grad_numerator = torch.mul(grad, reciprocal, out=torch.empty_like(grad))
-            grad_denominator = torch.linalg.vecdot(grad, result, dim=-1).unsqueeze(-1).mul(reciprocal).neg_()
+        # divisor's dtype, float32 for float16 inputs, then cast to each input's)
+        if divisor.dtype != grad.dtype:  # float16: the row's sum in float16, then over the float32 divisor
+            grad_numerator = torch.div(grad, divisor, out=torch.empty_like(grad))
+            grad_denominator = torch.linalg.vecdot(grad, result, dim=-1).unsqueeze(-1).div(divisor).neg_()
         else:  # the numerator's gradient first: the denominator's is its sum with the result, one product fewer
-            grad_numerator = grad * reciprocal
+            grad_numerator = grad / divisor
             grad_denominator = row_dot(grad_numerator, result, alpha=-1.0)
         grad_eps = grad_denominator.sum_to_size(ctx.eps_shape) if ctx.needs_input_grad[2] else None
         return grad_numerator, grad_denominator.to(ctx.denominator_dtype), grad_eps, None

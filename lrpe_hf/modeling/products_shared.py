@@ -79,28 +79,23 @@ def chunks_of(x, rows, heads, chunk_size: int, dtype, scratch: Scratch, purpose:
     return chunks.view(-1, chunk_size, block.shape[-1])
 
 
-def divide_rows(numerator: torch.Tensor, denominator: torch.Tensor, eps, guard=None, with_reciprocal=True):
+def divide_rows(numerator: torch.Tensor, denominator: torch.Tensor, eps, guard=None):
     """numerator (B, H, N, d) / guard(denominator (B, H, N, 1) + eps), written in the memory order (B, N, H, d)
     that the output projection reads: the heads are merged by a view, not by one more copy. ``eps`` is a number
-    or a tensor broadcastable to (B, H, N, 1); ``guard`` maps the denominator before its reciprocal is taken
-    (``nonzero``), or is None. Returns the result and the reciprocal (B, H, N, 1), or None without
-    ``with_reciprocal`` (no gradient to come: the rows are divided, one op fewer). Compiled: plain differentiable
-    ops, which the compiler fuses. In float16 the denominator and its reciprocal are float32 (and so is the
-    product, cast to float16 as it is written): the reciprocal of a padded row's 0 + eps (1e6 for eps 1e-6)
-    overflows float16 (largest 65504), and 0 x inf is NaN in its gradients."""
+    or a tensor broadcastable to (B, H, N, 1); ``guard`` maps the denominator before it divides (``nonzero``), or is
+    None. Returns the result and the divisor guard(denominator + eps) (B, H, N, 1), which backward takes. Compiled:
+    plain differentiable ops, which the compiler fuses. In float16 the divisor is float32 (and so is the quotient,
+    cast to float16 as it is written): a padded row's divisor 0 + eps (1e-6) would leave float16's range (its
+    reciprocal, 1e6, is past the largest, 65504), and 0 x inf is NaN in its gradients."""
     if denominator.dtype == torch.float16:
         denominator = denominator.float()
-    denominator = denominator + eps
+    divisor = denominator + eps
     if guard:
-        denominator = guard(denominator)
+        divisor = guard(divisor)
+    if torch.compiler.is_compiling():  # the compiler chooses the layout (and takes no out= views)
+        return (numerator / divisor).to(numerator.dtype), divisor
     B, H, N, d = numerator.shape
-    compiling = torch.compiler.is_compiling()
-    if not with_reciprocal and not compiling:
-        return torch.div(numerator, denominator, out=numerator.new_empty(B, N, H, d).transpose(1, 2)), None
-    reciprocal = denominator.reciprocal()
-    if compiling:  # the compiler chooses the layout (and takes no out= views)
-        return (numerator * reciprocal).to(numerator.dtype), reciprocal
-    return torch.mul(numerator, reciprocal, out=numerator.new_empty(B, N, H, d).transpose(1, 2)), reciprocal
+    return torch.div(numerator, divisor, out=numerator.new_empty(B, N, H, d).transpose(1, 2)), divisor
 
 
 def default_chunk_size(num_tokens: int) -> int:
