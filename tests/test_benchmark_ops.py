@@ -9,6 +9,8 @@ import pytest
 import torch
 from torch.nn import functional as F
 
+import lrpe_hf
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 count_ops = importlib.import_module("count_ops")
 
@@ -67,6 +69,34 @@ def test_the_key_sums_helpers_count_their_products_only():
     a, b = (torch.randn(2, 5, 3, 4).transpose(1, 2) for _ in range(2))  # stored tokens first, as the layers' are
     row_dot(a, b)
     assert counted(lambda: row_dot(a, b, alpha=-1.0)) == ["aten::baddbmm"]
+
+
+@pytest.mark.parametrize("encoding", ["lrpe_orthogonal", "lrpe_unitary"])
+def test_learnable_rotations_make_no_hidden_copies(encoding):
+    """The default encoding's P and rotation (and Type 1's lift), forward and backward, on two rows of features in
+    the projections' layout: no op copies a tensor behind the counted ones' backs (a product with a conjugated
+    view materialises it, a matmul broadcasting per-head vectors copies them and the features), and the features
+    they hand on stay in that layout."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from lrpe_hf.modeling.registry import build_positional_encoding
+
+    torch.manual_seed(0)
+    options = lrpe_hf.AttentionOptions(positional_encoding=encoding)
+    encoding = build_positional_encoding(options, num_heads=2, head_dim=8, feature_dim=8)
+    q, k = (torch.rand(2, 16, 2, 8).transpose(1, 2).requires_grad_() for _ in range(2))
+    positions = torch.arange(16)[None, :, None].expand(2, -1, -1)
+
+    def step():
+        tq, tk = encoding.encode_features(q, k, positions)
+        assert tq.transpose(1, 2).is_contiguous() and tk.transpose(1, 2).is_contiguous()
+        weights = [torch.randn(2, 16, 2, x.shape[-1]).transpose(1, 2) for x in (tq, tk)]  # gradients laid out so too
+        torch.autograd.backward((tq, tk), weights)
+
+    step()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    assert not [e.name for e in prof.events() if e.name in ("aten::clone", "aten::_conj_physical")]
 
 
 def test_backward_ops_count_and_the_product_is_told_apart():

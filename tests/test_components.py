@@ -789,17 +789,21 @@ def test_unitary_lift_has_the_gradients_of_the_written_out_lift(position_dims, s
 
 
 @pytest.mark.parametrize("learnable", [False, True])
-def test_householder_p_has_the_values_and_gradients_of_its_matrix(learnable):
+@pytest.mark.parametrize("tokens_first", [True, False])  # the projections' layout (read in place), and heads first
+def test_householder_p_has_the_values_and_gradients_of_its_matrix(learnable, tokens_first):
     """LRPE's Householder P, x -> x - 2 (x . v) v / |v|^2 per head (fixed v: the backward that reflects the gradient;
     learnable v: autograd), against the explicit matrix I - 2 v v^T / v^T v applied by a matmul, values and the
-    gradients of x (in the projections' layout) and of v."""
+    gradients of x (two rows, in the projections' layout or heads first) and of v."""
     from lrpe_hf.modeling.positional_lrpe import HouseholderReflection
 
     torch.manual_seed(0)
     p = HouseholderReflection(num_heads=3, dim=5, learnable=learnable).double()
     with torch.no_grad():
         p.vector.mul_(2.5)  # not unit length: the normalisation is part of P
-    x = torch.randn(2, 7, 3, 5, dtype=torch.float64).transpose(1, 2).requires_grad_()
+    if tokens_first:
+        x = torch.randn(2, 7, 3, 5, dtype=torch.float64).transpose(1, 2).requires_grad_()
+    else:
+        x = torch.randn(2, 3, 7, 5, dtype=torch.float64, requires_grad=True)
     v = p.vector
     matrices = torch.eye(5, dtype=torch.float64) - 2 * v[:, :, None] * v[:, None, :] / (v * v).sum(-1)[:, None, None]
     expected = x @ matrices.transpose(-1, -2)[None]

@@ -176,48 +176,60 @@ def unit_angles(positions: torch.Tensor, frequencies: torch.Tensor, axis: torch.
     return reduced_angles(unit_coordinates(positions, axis) * rates, dtype)
 
 
-def reduced_angles(turns: torch.Tensor, dtype) -> torch.Tensor:
-    """Angles in turns (float64) reduced to less than one turn, in radians of ``dtype`` (at least float32)."""
+def reduced_angles(turns: torch.Tensor, dtype, negated: bool = False) -> torch.Tensor:
+    """Angles in turns (float64) reduced to less than one turn, in radians of ``dtype`` (at least float32); their
+    negatives with ``negated`` (the sign taken in the same product)."""
     turns = turns.frac_()
     dtype = torch.promote_types(dtype, torch.float32)
+    radians = -2 * math.pi if negated else 2 * math.pi
     if torch.compiler.is_compiling() or turns.requires_grad:  # (out= takes no gradient)
-        return turns.mul_(2 * math.pi).to(dtype)
-    return torch.mul(turns, 2 * math.pi, out=turns.new_empty(turns.shape, dtype=dtype))  # rounded once, as .to()
+        return turns.mul_(radians).to(dtype)
+    return torch.mul(turns, radians, out=turns.new_empty(turns.shape, dtype=dtype))  # rounded once, as .to()
 
 
-def angle_blocks(positions, frequencies, rates, axis, dtype, shape, block_elements):
+def angle_blocks(positions, frequencies, rates, axis, dtype, shape, block_elements, negated=False):
     """``(tokens, unit_angles(positions[:, tokens], ...))`` for consecutive blocks of the tokens of features of
     ``shape`` (B, H, N, width), each holding about ``block_elements`` feature elements, from the frequencies (H, U)
-    or their ``turn_rates`` (H, 1, U) where the caller keeps them: on a CPU, the angles of a rotation made and used a
-    block at a time, so that neither they nor the float64 turns behind them are made whole and a block's passes
-    stay in cache. On an accelerator one block: there each block costs kernel launches."""
+    or their ``turn_rates`` (H, 1, U) where the caller keeps them; the angles' negatives with ``negated``. On a CPU,
+    the angles of a rotation made and used a block at a time, so that neither they nor the float64 turns behind
+    them are made whole and a block's passes stay in cache. On an accelerator one block: there each block costs
+    kernel launches."""
     rows = distinct_rows(positions)
     B, H, N, width = shape
     blocks = token_blocks(N, B * H * width, block_elements) if positions.is_cpu else [slice(None)]
     if rates is None:  # the turn coordinates made whole (one row of positions, small), each block a slice of them
         coordinates = turn_coordinates(rows, axis)
         for tokens in blocks:
-            yield tokens, reduced_angles(coordinates[:, :, tokens] * frequencies[:, None], dtype)
+            yield tokens, reduced_angles(coordinates[:, :, tokens] * frequencies[:, None], dtype, negated)
         return
     for tokens in blocks:
-        yield tokens, unit_angles(rows[:, tokens], None, axis, dtype, rates)
+        yield tokens, reduced_angles(unit_coordinates(rows[:, tokens], axis) * rates, dtype, negated)
+
+
+def new_angle_gradient(like: torch.Tensor, num_units: int, dtype) -> torch.Tensor:
+    """An empty (B, H, N, U) tensor for the angles' gradient of features ``like`` (B, H, N, ·), stored heads
+    outermost (H, B, N, U): ``frequency_gradient`` reads each head's (row, token) pairs as one matrix. Compiled,
+    contiguous (a compiled graph writes no ``out=`` into a non-contiguous view; the compiler lays it out)."""
+    B, H, N = like.shape[:3]
+    if torch.compiler.is_compiling():
+        return like.new_empty(B, H, N, num_units, dtype=dtype)
+    return like.new_empty(H, B, N, num_units, dtype=dtype).transpose(0, 1)
 
 
 FLOAT_POSITIONS = KeptForInput()  # the positions as floats, made by the first layer's backward for all layers
 
 
 def frequency_gradient(grad_angles: torch.Tensor, positions: torch.Tensor, axis: torch.Tensor) -> torch.Tensor:
-    """The gradient of the frequencies (H, U) of ``unit_angles`` from that of its angles (B, H, N, U), real, or complex
-    with the gradient as its imaginary part: for each unit, the sum over rows and tokens of the position along the
-    unit's axis times the angle's gradient (the reduction to less than one turn has derivative one). positions
-    (B or 1, N, A), converted once for every layer (``FLOAT_POSITIONS``); one row and one axis take no sum over rows
-    and no gather."""
+    """The gradient of the frequencies (H, U) of ``unit_angles`` from that of its angles (B, H, N, U): for each unit,
+    the sum over rows and tokens of the position along the unit's axis times the angle's gradient (the reduction to
+    less than one turn has derivative one). One product per head over every (row, token) at once: the positions
+    (B, N, A) as floats (A, B N), made once for every layer (``FLOAT_POSITIONS``), and the angles' gradient read in
+    place where it is stored heads outermost (``new_angle_gradient``); one axis takes no gather."""
+    B, H, N, U = grad_angles.shape
     wide = torch.promote_types(grad_angles.dtype, torch.float32)
-    coordinates = FLOAT_POSITIONS.get(positions, wide, lambda: positions.to(wide)).transpose(-1, -2)[:, None]
-    per_axis = coordinates @ grad_angles.to(wide)  # (B, H, A, U)
-    if per_axis.is_complex():
-        per_axis = per_axis.imag
-    per_axis = per_axis[0] if per_axis.shape[0] == 1 else per_axis.sum(0)  # (H, A, U)
+    coordinates = FLOAT_POSITIONS.get(positions, wide, lambda: positions.to(wide).permute(2, 0, 1).reshape(-1, B * N))
+    per_head = grad_angles.to(wide).transpose(0, 1).reshape(H, B * N, U)  # a view where stored heads outermost
+    per_axis = torch.bmm(coordinates.expand(H, -1, -1), per_head)  # (H, A, U)
     if per_axis.shape[1] == 1:  # one position axis: every unit follows it
         return per_axis[:, 0]
     return per_axis.gather(1, axis.expand(per_axis.shape[0], 1, -1)).squeeze(1)

@@ -30,6 +30,7 @@ from .positional_encoding import (
     angle_blocks,
     axis_of_each,
     frequency_gradient,
+    new_angle_gradient,
     radian_rates,
     unit_angles,
     unit_coordinates,
@@ -99,7 +100,19 @@ def apply_p_stacked(p, x):
 
 def reflect(x, v):
     """x - 2 (x . v) v: x (B, H, N, m), a unit v (H, 1, m) per head."""
-    return torch.addcmul(x, x @ v.transpose(-1, -2), v, value=-2.0)
+    return torch.addcmul(x, head_dots(x, v), v, value=-2.0)
+
+
+def head_dots(x, v):
+    """x . v with each head's own v (H, 1, m): (B, H, N, 1). One batched product over the heads, each taking all its
+    rows at once where x's rows of a head lie evenly spaced (x stored tokens first, as the layers lay it out, or one
+    row): x is read in place. Otherwise matmul, which copies x into heads-first batches and v for each row."""
+    B, H, N, m = x.shape
+    per_head = x.transpose(0, 1)  # (H, B, N, m)
+    if per_head.stride(1) == N * per_head.stride(2) or B == 1:
+        dots = torch.bmm(per_head.reshape(H, B * N, m), v.transpose(-1, -2))  # a view: no copy
+        return dots.view(H, B, N, 1).transpose(0, 1)
+    return x @ v.transpose(-1, -2)
 
 
 class FixedReflection(torch.autograd.Function):
@@ -181,7 +194,7 @@ class LRPEUnitary(PositionalEncoding):
             return UnitaryLift.apply(q, k, positions, self.angles, self.axis, self.turn_rates(self.angles))
         if few_angles(positions, self.angles):
             cos, sin = self.few_cos_sin(positions)
-            return tuple(lift_into(x, cos, sin, x.new_empty(*x.shape[:-1], 2 * x.shape[-1])) for x in (q, k))
+            return tuple(lift_into(x, cos, sin, new_with_width(x, 2 * x.shape[-1])) for x in (q, k))
         return lift(q, k, unit_angles(positions, self.angles, self.axis, q.dtype, self.turn_rates(self.angles)))
 
     def encode_stacked(self, x, positions):
@@ -200,6 +213,14 @@ class LRPEUnitary(PositionalEncoding):
         angles reduced in turns took five, and each product with them is rounded once into the features' dtype."""
         angles = unit_coordinates(positions, self.axis) * self.radian_rates(self.angles)
         return angles.cos(), angles.sin()
+
+
+def new_with_width(x, width: int) -> torch.Tensor:
+    """A new tensor of x's shape (..., m) but ``width`` wide, its dims laid out in x's order (x stored tokens first
+    gives a tensor stored tokens first, which fla's kernels and the key sums read in place)."""
+    order = sorted(range(x.dim() - 1), key=x.stride, reverse=True)  # outermost first
+    inverse = sorted(range(len(order)), key=order.__getitem__)
+    return x.new_empty(*(x.shape[d] for d in order), width).permute(*inverse, -1)
 
 
 def lift(q, k, angles):
@@ -234,7 +255,7 @@ class UnitaryLift(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, positions, alpha, axis, rates):
         m = alpha.shape[-1]
-        lifted = [x.new_empty(*x.shape[:-1], 2 * m) for x in (q, k)]
+        lifted = [new_with_width(x, 2 * m) for x in (q, k)]
         alpha = alpha.detach()
         blocks = angle_blocks(positions, alpha, rates, axis, q.dtype, q.shape, UnitaryLift.BLOCK_ELEMENTS)
         for tokens, angles in blocks:
@@ -249,10 +270,10 @@ class UnitaryLift(torch.autograd.Function):
     def backward(ctx, grad_q, grad_k):
         *lifted, positions, alpha, axis, rates = ctx.saved_tensors
         m, dtype = alpha.shape[-1], lifted[0].dtype
-        grads = [None if g is None else y.new_empty(*y.shape[:-1], m) for y, g in zip(lifted, (grad_q, grad_k))]
+        grads = [None if g is None else new_with_width(y, m) for y, g in zip(lifted, (grad_q, grad_k))]
         terms = [(y, g, grad_x) for y, g, grad_x in zip(lifted, (grad_q, grad_k), grads) if g is not None]
         want_alpha = ctx.needs_input_grad[3]
-        grad_angles = lifted[0].new_empty(*lifted[0].shape[:-1], m) if want_alpha else None
+        grad_angles = new_angle_gradient(lifted[0], m, lifted[0].dtype) if want_alpha else None
         shape = terms[0][2].shape
         for tokens, angles in angle_blocks(positions, alpha, rates, axis, dtype, shape, UnitaryLift.BLOCK_ELEMENTS):
             cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)

@@ -17,6 +17,7 @@ from .positional_encoding import (
     angle_blocks,
     axis_of_each,
     frequency_gradient,
+    new_angle_gradient,
     radian_rates,
     turn_rates,
     unit_angles,
@@ -138,6 +139,14 @@ def rotate_by_angles(q, k, angles):
     return multiply_pairs(q, factor), multiply_pairs(k, factor)
 
 
+def real_parts(y: torch.Tensor, g: torch.Tensor, num_pairs: int, dtype):
+    """The real and imaginary parts of the first ``num_pairs`` pairs of y and g (..., m), views in ``dtype`` (half
+    precision upcast once): real arithmetic on them takes no conjugate (a product with ``conj()`` of a tensor
+    copies it first, a hidden launch)."""
+    y, g = (x[..., : 2 * num_pairs].to(dtype) for x in (y, g))
+    return y[..., 0::2], y[..., 1::2], g[..., 0::2], g[..., 1::2]
+
+
 class RotateQueriesAndKeys(torch.autograd.Function):
     """The pair rotation of q and k (any float dtype) by the angles position * theta (``unit_angles`` of
     positions (B, N, A), theta (H, P), axis (P,)), saving only the rotated outputs (the attention saves them too)
@@ -171,26 +180,28 @@ class RotateQueriesAndKeys(torch.autograd.Function):
         grads = [None if g is None else torch.empty_like(g) for g in (grad_q, grad_k)]
         terms = [(y, g, grad_x) for y, g, grad_x in zip(rotated, (grad_q, grad_k), grads) if g is not None]
         want_theta = ctx.needs_input_grad[3]
-        # d y / d angle = i y: the angles' gradient is Im(conj(y) grad), summed over q and k. The complex products
-        # are summed (at least complex64) and kept complex until theta's gradient takes their imaginary part.
-        wide = torch.promote_types(dtype, torch.complex64)
-        products = rotated[0].new_empty(*rotated[0].shape[:-1], num_pairs, dtype=wide) if want_theta else None
+        wide = torch.promote_types(dtype, torch.float32)  # the angles' gradient, as the product, at least float32
+        grad_angles = new_angle_gradient(rotated[0], num_pairs, wide) if want_theta else None
         shape = terms[0][2].shape
-        blocks = angle_blocks(positions, theta, rates, axis, dtype, shape, RotateQueriesAndKeys.BLOCK_ELEMENTS)
-        for tokens, angles in blocks:
-            inverse = unit_factors(angles, dtype).conj()  # the rotation is orthogonal: its transpose turns back
+        blocks = angle_blocks(
+            positions, theta, rates, axis, dtype, shape, RotateQueriesAndKeys.BLOCK_ELEMENTS, negated=True
+        )
+        for tokens, negated_angles in blocks:
+            inverse = unit_factors(negated_angles, dtype)  # the rotation is orthogonal: its transpose turns back
             for index, (y, grad, grad_x) in enumerate(terms):
                 block = grad[:, :, tokens]
                 multiply_pairs(block, inverse, out=grad_x[:, :, tokens])
-                if want_theta:
-                    pair = as_pairs(y[:, :, tokens], num_pairs).conj(), as_pairs(block, num_pairs)
+                if want_theta:  # d y / d angle = i y: the angle's gradient is Im(conj(y) grad) = y_re g_im - y_im g_re
+                    y_re, y_im, g_re, g_im = real_parts(y[:, :, tokens], block, num_pairs, wide)
+                    slope = grad_angles[:, :, tokens]
                     if index == 0:
-                        torch.mul(*pair, out=products[:, :, tokens])
+                        torch.mul(y_re, g_im, out=slope)
                     else:
-                        products[:, :, tokens].addcmul_(*pair)
+                        slope.addcmul_(y_re, g_im)
+                    slope.addcmul_(y_im, g_re, value=-1.0)
         grad_theta = None
         if want_theta:
-            grad_theta = frequency_gradient(products, positions, axis).to(theta.dtype)
+            grad_theta = frequency_gradient(grad_angles, positions, axis).to(theta.dtype)
         return *grads, None, grad_theta, None, None
 
 
