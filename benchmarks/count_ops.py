@@ -333,10 +333,10 @@ def decode_step(model, name: str, context: int, vocab: int):
     return step
 
 
-def train_step(model, tokens: int, vocab: int):
-    """A function running forward and backward of the LM loss on one sequence (batch 1, train mode)."""
+def train_step(model, tokens: int, vocab: int, batch: int = 1):
+    """A function running forward and backward of the LM loss on ``batch`` sequences (train mode)."""
     model.train()
-    ids = torch.randint(0, vocab, (1, tokens))
+    ids = torch.randint(0, vocab, (batch, tokens))
 
     def step(forward=model):
         model.zero_grad(set_to_none=True)
@@ -348,7 +348,7 @@ def train_step(model, tokens: int, vocab: int):
 def make_step(task: str, model, name: str, size=SIZE):
     if task == "decode":
         return decode_step(model, name, DECODE_CONTEXT, size["vocab"])
-    return train_step(model, TRAIN_TOKENS, size["vocab"])
+    return train_step(model, TRAIN_TOKENS, size["vocab"], size.get("batch", 1))
 
 
 def step_ops(task: str, name: str, layers: int, size=SIZE):

@@ -127,6 +127,15 @@ def test_per_layer_is_the_share_each_layer_adds(task):
     assert sum(counts["by_name"].values()) == counts["per_layer"]
 
 
+@pytest.mark.parametrize("name", ["lrpe_orthogonal+fla", "lrpe_unitary+fla", "rope+fla", "none+fla"])
+def test_a_train_step_takes_as_many_ops_for_two_rows_as_for_one(name):
+    """The counts are of one row; a GPU trains on several. Nothing a layer does per step depends on the batch size (a
+    broadcasting matmul would copy its operands for every row, a sum over rows would add one op)."""
+    one = count_ops.op_counts("train", name, TINY)
+    two = count_ops.op_counts("train", name, TINY | {"batch": 2})
+    assert two["per_layer"] == one["per_layer"], (two["by_name"], one["by_name"])
+
+
 def test_gpt2_counts_one_attention_per_layer_and_more_ops_in_training():
     decode = count_ops.op_counts("decode", count_ops.GPT2, TINY)
     train = count_ops.op_counts("train", count_ops.GPT2, TINY)
