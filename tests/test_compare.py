@@ -87,6 +87,8 @@ def test_a_sweep_compares_every_encoding_with_the_first_paired_by_seed(sweep):
     assert record["files"] == ["comparisons.csv", "results.csv"]
     (entry,) = record["invocations"]
     assert entry["runs"] == entry["runs_trained"] == 4 and entry["jobs"] == 2 and entry["threads_per_run"] == 1
+    (code,) = entry["run_code"]  # every run trained by this checkout's code
+    assert entry["run_code"][code] == 4 and code.split("+")[0] == entry["commit"]
     for field in ("command", "commit", "clean", "device", "torch", "transformers", "threads", "date", "seconds"):
         assert field in entry, field
     assert "| softmax:rope | - | accuracy | rope (elu) | 2 |" in markdown
@@ -98,6 +100,8 @@ def test_a_killed_sweep_resumes_without_retraining_finished_runs(sweep, tmp_path
     killed = out / "runs" / "rope-elu-seed1"
     (killed / "result.json").unlink()  # as if killed mid-run: a partial folder without its done marker
     (killed / "stale.txt").write_text("left by the killed run")
+    older = out / "runs" / "softmax_rope-seed1" / "result.json"  # a run finished by other code: kept, and told
+    older.write_text(json.dumps(json.loads(older.read_text()) | {"code": "0" * 40}))
     finished = [out / "runs" / name / "result.json" for name in ("rope-elu-seed0", "softmax_rope-seed0")]
     finished.append(out / "runs" / "softmax_rope-seed1" / "model.safetensors")
     mtimes = [path.stat().st_mtime_ns for path in finished]
@@ -111,6 +115,8 @@ def test_a_killed_sweep_resumes_without_retraining_finished_runs(sweep, tmp_path
     assert printed.count("finished earlier, skipped") == 3
     invocations = json.loads((out / "results.json").read_text())["invocations"]
     assert len(invocations) == 2 and invocations[1]["runs_trained"] == 1  # the resumed sweep's own entry
+    assert invocations[1]["run_code"]["0" * 40] == 1 and sum(invocations[1]["run_code"].values()) == 4
+    assert "these runs were trained by different code" in printed
     assert "Every encoding against rope" in printed and "| softmax:rope | - | accuracy | rope (elu) | 2 |" in printed
     assert "[3/4] rope-elu-seed1: started" in printed and "[3/4] rope-elu-seed1: finished in" in printed
 

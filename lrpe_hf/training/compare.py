@@ -69,7 +69,9 @@ Each run trains in a fresh process, forked from a server process that has alread
 clean, a crash or a memory kill shows as that run's failure (with the end of its log), and the import cost (seconds)
 is paid once per sweep, not per run. ``--jobs N`` runs N at once, each with ``--threads`` torch threads (quick
 profile: two one-thread runs on 2 cores). A run is finished when its ``result.json`` exists: a sweep run again with
-the same arguments skips finished runs and restarts unfinished ones from scratch.
+the same arguments skips finished runs and restarts unfinished ones from scratch. Each run's result names the
+commit its code came from (``+changes`` for a changed tree); ``results.json`` counts the runs of each
+(``run_code``), and a sweep whose runs came from different code says so when it ends.
 """
 
 import multiprocessing
@@ -77,7 +79,7 @@ import os
 import shutil
 import time
 from argparse import RawDescriptionHelpFormatter
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field, fields
 from multiprocessing.connection import wait
 from pathlib import Path
@@ -522,6 +524,11 @@ def main(args=None):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     sweep_facts = dict(jobs=settings["jobs"], threads_per_run=settings["threads"], runs=len(runs))
     sweep_facts["runs_trained"] = len(runs) - trained_before
+    sweep_facts["run_code"] = dict(Counter(result.get("code", "unknown") for result in results))
+    if len(sweep_facts["run_code"]) > 1:
+        versions = ", ".join(f"{code[:12]}: {count}" for code, count in sweep_facts["run_code"].items())
+        print(f"Note: these runs were trained by different code ({versions} runs); results.json records it. Delete "
+              "the runs' folders under runs/ to train them again with today's.", flush=True)  # fmt: skip
     record = output_dir / "results.json"
     written.append(write_record(record, csvs, "run_scripts/compare_encodings.py", device, append=True, **sweep_facts))
     baseline = settings["baseline"]

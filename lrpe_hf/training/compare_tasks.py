@@ -33,6 +33,7 @@ from transformers import (
 
 from . import glue, image_classification, language_modeling, synthetic
 from .data import load_files_or_hub, select_samples
+from .provenance import working_tree
 
 ABSOLUTE_BASELINES = ("sinusoidal", "learned")
 
@@ -191,6 +192,15 @@ def training_figures(state_file: Path) -> tuple[float, float, list]:
     return summary["train_runtime"], summary["train_samples_per_second"], curve
 
 
+def code_version(run_dir: Path) -> str:
+    """The commit this run's code came from, with ``+changes`` where the working tree had changes (outside the run's
+    folder), or ``unknown`` outside a git checkout: a resumed sweep tells its runs' code apart by it."""
+    commit, clean, _ = working_tree(run_dir)
+    if commit is None:
+        return "unknown"
+    return commit if clean else f"{commit}+changes"
+
+
 def load_result(run_dir: Path) -> dict | None:
     """A finished run's result, or None."""
     path = Path(run_dir) / "result.json"
@@ -241,6 +251,7 @@ def execute_run(run: dict):
         "process_cpu_s": usage.ru_utime + usage.ru_stime,  # with the wall time: how contended the machine was
         "loss_curve": curve,
         "settings": run["settings"],
+        "code": code_version(run_dir),
     }
     partial = run_dir / "result.json.partial"
     partial.write_text(json.dumps(result, indent=1))
