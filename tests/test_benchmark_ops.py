@@ -136,6 +136,30 @@ def test_a_train_step_takes_as_many_ops_for_two_rows_as_for_one(name):
     assert two["per_layer"] == one["per_layer"], (two["by_name"], one["by_name"])
 
 
+@pytest.mark.parametrize("name", ["lrpe_orthogonal+fla", "rope+fla", "permute+fla", "none+fla"])
+def test_a_padded_train_step_on_fla_s_path_reads_nothing_on_the_host_per_layer(name, monkeypatch):
+    """Two rows, one padded, on the GPU's path: a layer adds no read on the host (a sync on a GPU) to the step. Whether
+    the rows' positions are the same is looked at once for every layer and both directions; fla's kernels take a
+    decay's per-token gates without a look for one decay per head."""
+    reads = []
+    for method in ("__bool__", "item"):
+        original = getattr(torch.Tensor, method)
+        monkeypatch.setattr(torch.Tensor, method, lambda self, original=original: reads.append(1) or original(self))
+
+    def step_reads(layers):
+        with count_ops.one_block(), count_ops.fla_path(count_ops.on_fla(name)):
+            model = count_ops.build(name, layers, 64, TINY)
+            ids = torch.randint(0, TINY["vocab"], (2, 40))
+            mask = torch.ones(2, 40, dtype=torch.long)
+            mask[1, :7] = 0
+            model(input_ids=ids, attention_mask=mask, labels=ids).loss.backward()  # a warm-up step
+            reads.clear()
+            model(input_ids=ids, attention_mask=mask, labels=ids).loss.backward()
+            return len(reads)
+
+    assert step_reads(3) == step_reads(1)
+
+
 def test_gpt2_counts_one_attention_per_layer_and_more_ops_in_training():
     decode = count_ops.op_counts("decode", count_ops.GPT2, TINY)
     train = count_ops.op_counts("train", count_ops.GPT2, TINY)

@@ -99,12 +99,15 @@ def causal_linear_attention(
         if divide_eps is not None:
             out = divide_rows(out, denominator, divide_eps)[0]
         return out, denominator, final if final_state else None
-    decay = uniform_decay(log_gates, initial_state, resets, known_decay) if N > 1 else None  # one token: its gate
-    if backend == "torch":
-        why_not = "the torch backend was chosen"
-    else:
-        gated_backward = log_gates is not None and decay is None and wants_gradient(q, k, v, log_gates, initial_state)
-        why_not = can_run(q, v, dtype, gated_backward)
+    # fla's kernels take per-token gates as they are, at about the cost of one decay per head: where they will run
+    # with them, no look at the gates (a read on the host) for one decay per head; the torch path's ungated product
+    # is much faster than its gated one, so there the look pays
+    gated_backward = log_gates is not None and wants_gradient(q, k, v, log_gates, initial_state)
+    why_not = "the torch backend was chosen" if backend == "torch" else can_run(q, v, dtype, gated_backward)
+    look = why_not is not None or known_decay is not None
+    decay = uniform_decay(log_gates, initial_state, resets, known_decay) if N > 1 and look else None
+    if why_not is not None and decay is not None and backend != "torch":  # one decay per head: no gated backward
+        why_not = can_run(q, v, dtype, gated_backward=False)
     if backend == "triton" and why_not:
         raise ValueError(f"kernel_backend='triton' cannot run this product: {why_not}; 'auto' falls back to torch")
     if why_not is None:

@@ -82,11 +82,14 @@ class CyclicPermutations(Reinitialisable):
 
     BLOCK_ELEMENTS = 1 << 20  # the int64 indices of one block of tokens: 8 MB
 
-    def permute(self, positions, *tensors):
-        """P_pi^s x for each x (B, H, N, size) of ``tensors`` (None stays None), without autograd's bookkeeping.
-        A block of tokens at a time: the (B', H, T, size) int64 indices are never made for the whole input (at 32k
-        tokens they would be 134 MB, built from as many temporaries). Outputs are stored heads-first."""
+    def permute(self, positions, *tensors, inverse: bool = False):
+        """P_pi^s x for each x (B, H, N, size) of ``tensors`` (None stays None), or P_pi^-s with ``inverse``, without
+        autograd's bookkeeping. A block of tokens at a time: the (B', H, T, size) int64 indices are never made for
+        the whole input (at 32k tokens they would be 134 MB, built from as many temporaries). Outputs are stored
+        heads-first."""
         rows = distinct_rows(positions)
+        if inverse:  # negated after the look at the rows, which every layer's positions share (``distinct_rows``)
+            rows = -rows
         present = [x for x in tensors if x is not None]
         B, H, N, size = present[0].shape
         one_block = rows.shape[0] * H * N * size <= self.BLOCK_ELEMENTS  # a decoding step, say
@@ -127,7 +130,7 @@ class PermuteQueriesAndKeys(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_q, grad_k):
         (positions,) = ctx.saved_tensors
-        return *ctx.permutations.permute(-distinct_rows(positions), grad_q, grad_k), None, None
+        return *ctx.permutations.permute(positions, grad_q, grad_k, inverse=True), None, None
 
 
 def default_decays(num_heads: int) -> torch.Tensor:
