@@ -1060,3 +1060,42 @@ def test_a_decoding_step_with_queries_and_keys_stacked_equals_the_step_with_them
     # its GEMM may sum in another order (a float32 ulp)
     exact = options.get("lrpe_p_matrix") != "dct"
     torch.testing.assert_close(stacked, steps(), rtol=0 if exact else 1e-6, atol=0 if exact else 1e-6)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_training_projects_queries_keys_and_values_in_one_product_with_the_same_values_and_gradients(bias):
+    """In training the layer joins its q, k and v projections into one product: the layer's output and every
+    parameter's gradient are those of the three projections apart (taken where a projection has a hook of its own,
+    which the joined product would skip), one linear op forward where three were; without a gradient (decoding,
+    evaluation) each projection runs on its own weights."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.manual_seed(0)
+    layer = lrpe_hf.LinearAttention(16, 2, positional_encoding="lrpe_orthogonal", causal=True, bias=bias).double()
+    x = torch.randn(2, 9, 16, dtype=torch.float64, requires_grad=True)
+    mask = torch.ones(2, 9, dtype=torch.bool)
+    mask[1, :3] = False
+    grad = torch.randn(2, 9, 16, dtype=torch.float64)
+    parameters = [x, *(p for p in layer.parameters() if p.requires_grad)]
+
+    def linear_ops(step):
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            result = step()
+        return result, sum(e.name == "aten::linear" for e in prof.events())
+
+    def forward():
+        return layer(x, attention_mask=mask)
+
+    joined, joined_linear = linear_ops(forward)
+    joined_grads = torch.autograd.grad(joined, parameters, grad)
+    handle = layer.q_proj.register_forward_hook(lambda module, inputs, output: None)
+    apart, apart_linear = linear_ops(forward)
+    apart_grads = torch.autograd.grad(apart, parameters, grad)
+    handle.remove()
+    torch.testing.assert_close(joined, apart)
+    for got, want in zip(joined_grads, apart_grads):
+        torch.testing.assert_close(got, want)
+    assert (joined_linear, apart_linear) == (2, 4)  # q, k, v joined, and the output projection
+    with torch.no_grad():
+        torch.testing.assert_close(linear_ops(forward)[0], apart)
+        assert linear_ops(forward)[1] == 4

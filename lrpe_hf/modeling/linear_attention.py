@@ -22,6 +22,7 @@ from dataclasses import replace
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 
 from .attention_options import AttentionOptions
 from .attention_state import ValueHistory
@@ -32,6 +33,31 @@ from .registry import build_positional_encoding, positional_encoding_entry
 from .softmax_attention import SoftmaxAttention
 
 ATTENTION_PATHS = {"linear": KernelAttention, "softmax": SoftmaxAttention}
+
+
+def joinable(projections) -> bool:
+    """Whether ``joined_projections`` computes these projections: in training (a weight wants its gradient), for
+    plain ``nn.Linear`` layers (not adapters) with plain weights (not quantised or sharded: a shape-only run's fakes
+    are plain) and no hooks of their own or global ones, one dtype and device, and biases all or none."""
+    if not torch.is_grad_enabled() or not any(p.weight.requires_grad for p in projections):
+        return False
+    if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
+        return False
+    weights = [p.weight for p in projections]
+    plain = all(type(p) is nn.Linear and not (p._forward_hooks or p._forward_pre_hooks) for p in projections)
+    plain = plain and all(type(w) is nn.Parameter or isinstance(w, FakeTensor) for w in weights)
+    same = len({(w.dtype, w.device) for w in weights}) == 1 and len({p.bias is None for p in projections}) == 1
+    return plain and same
+
+
+def joined_projections(projections, x):
+    """x (B, N, d) through the projections' weights joined into one (sum of outs, d): one product forward and one
+    of each kind backward (the input's gradient, the weights', the biases'), where three projections take three of
+    each and two sums of the input's gradients; the joining copy is of the weights, not of the activations.
+    Returns (B, N, sum of outs): the projections' outputs side by side."""
+    weight = torch.cat([p.weight for p in projections])
+    bias = None if projections[0].bias is None else torch.cat([p.bias for p in projections])
+    return nn.functional.linear(x, weight, bias)
 
 
 class LinearAttention(nn.Module):
@@ -115,6 +141,14 @@ class LinearAttention(nn.Module):
         B, N, _ = x.shape
         return x.view(B, N, self.num_heads, self.head_dim).transpose(1, 2)
 
+    def project(self, hidden_states, with_values: bool = True) -> tuple:
+        """q, k and (``with_values``) v, each (B, N, hidden_size): in training one product by the projections'
+        weights joined (``joined_projections``), else each projection's own."""
+        projections = (self.q_proj, self.k_proj, self.v_proj) if with_values else (self.q_proj, self.k_proj)
+        if joinable(projections):
+            return joined_projections(projections, hidden_states).split(self.hidden_size, dim=-1)
+        return tuple(projection(hidden_states) for projection in projections)
+
     def forward(
         self,
         hidden_states,
@@ -175,8 +209,9 @@ class LinearAttention(nn.Module):
             self.redraw_random_features()
         if shared_draw is None and self.shared_codes is not None:
             shared_draw = self.shared_codes.draw(hidden_states.device)
-        q, k = (self.split_heads(proj(hidden_states)) for proj in (self.q_proj, self.k_proj))
-        v = self.split_heads(self.v_proj(hidden_states)) if values is None else values
+        projections = self.project(hidden_states, with_values=values is None)
+        q, k = (self.split_heads(x) for x in projections[:2])
+        v = self.split_heads(projections[2]) if values is None else values
         if mask is not None:  # padded values contribute nothing, in every path (and in saved states)
             v = v.masked_fill(~mask[:, None, :, None], 0.0)
         encoding = self.positional_encoding

@@ -167,7 +167,7 @@ def fla_product(kernels, q, k, v, gates, initial_state, resets, m: int, final_st
     state (B, H, m, dv) in float32, or None where ``final_state`` is False."""
     chunked, one_step = kernels
     dv = v.shape[-1]
-    v = even_width(v).transpose(1, 2)  # (B, N, H, dv'), dv' even
+    v = even_width(v).transpose(1, 2).contiguous()  # (B, N, H, dv'), dv' even: fla would copy a strided view
     if initial_state is not None:  # fla only reads it: padded, or as it is (a copy would cost a launch a step)
         padding = (0, v.shape[-1] - initial_state.shape[-1], 0, q.shape[-1] - m)  # zero rows and columns
         initial_state = F.pad(initial_state.float(), padding) if any(padding) else initial_state.float().contiguous()
