@@ -169,10 +169,10 @@ def test_gpt2_counts_one_attention_per_layer_and_more_ops_in_training():
 
 
 def test_the_fla_path_reaches_every_device_test():
-    from lrpe_hf.modeling import attention_kernels, products_triton
-
+    """Every module of the library that tests for fla's device (imported by name where it is used) is told yes."""
     q = torch.zeros(1, 2, 3, 4)
-    modules = [m for m in (attention_kernels, products_triton) if hasattr(m, "on_kernel_device")]  # by name too
+    modules = [m for n, m in sys.modules.items() if n.startswith("lrpe_hf.") and hasattr(m, "on_kernel_device")]
+    assert len(modules) >= 4  # products_triton's, and attention_kernels', kernel_attention's, feature_maps' by name
     with count_ops.fla_path(count_ops.reference_kernels()):
         assert all(module.on_kernel_device(q) for module in modules)
     assert not any(module.on_kernel_device(q) for module in modules)

@@ -20,6 +20,7 @@ from torch.autograd.function import once_differentiable
 from torch.nn import functional as F
 
 from .gradients import wants_gradient
+from .products_triton import on_kernel_device
 from .reinitialisable import Reinitialisable, seeded_generator
 
 
@@ -207,9 +208,12 @@ class ExponentialFeatureMap(FeatureMap):
         return self.log_features(x).exp()  # unstabilised: for references and small inputs
 
     def features(self, q, k, mask=None, causal=False, key_max=None, documents=None, reuse_inputs=False) -> Features:
-        # heads-first and contiguous from here on: the running maximum makes the causal product gated, and the gated
-        # products copy their inputs to this layout once (and keep the copies) unless they are so already
-        lq, lk = self.log_features(q).contiguous(), self.log_features(k).contiguous()
+        # the running maximum makes the causal product gated: off fla's device heads-first and contiguous from here on
+        # (the torch path's gated products copy their inputs to this layout once, and keep the copies, unless they
+        # are so already); fla's kernels read the projections' tokens-first layout in place
+        lq, lk = self.log_features(q), self.log_features(k)
+        if not on_kernel_device(q):
+            lq, lk = lq.contiguous(), lk.contiguous()
         query_max = lq.amax(-1, keepdim=True).detach()
         fq = (lq - query_max).exp()
         wide = torch.promote_types(lk.dtype, torch.float32)
