@@ -354,8 +354,9 @@ def tokens_first(*xs) -> bool:
 
 
 def pad_tokens(x, pad: int):
-    """x (B, H, N, m) with ``pad`` zero tokens appended, in x's layout where it is ``tokens_first``."""
-    if tokens_first(x):
+    """x (B, H, N, m) with ``pad`` zero tokens appended, in x's layout where it is ``tokens_first`` (not while
+    compiling: torch 2.7's compiled backward of that pad laid its gradient out wrongly)."""
+    if tokens_first(x) and not torch.compiler.is_compiling():
         return F.pad(x.transpose(1, 2), (0, 0, 0, 0, 0, pad)).transpose(1, 2)
     return F.pad(x, (0, 0, 0, pad))
 
