@@ -143,10 +143,13 @@ class LinearAttention(nn.Module):
 
     def project(self, hidden_states, with_values: bool = True) -> tuple:
         """q, k and (``with_values``) v, each (B, N, hidden_size): in training one product by the projections'
-        weights joined (``joined_projections``), else each projection's own."""
+        weights joined (``joined_projections``), else each projection's own. The joined v is copied into memory of
+        its own: the products keep v for backward, and a view would keep q's and k's columns alive with it (3x the
+        memory); fla's path would make that copy anyway."""
         projections = (self.q_proj, self.k_proj, self.v_proj) if with_values else (self.q_proj, self.k_proj)
         if joinable(projections):
-            return joined_projections(projections, hidden_states).split(self.hidden_size, dim=-1)
+            outputs = joined_projections(projections, hidden_states).split(self.hidden_size, dim=-1)
+            return (*outputs[:2], outputs[2].contiguous()) if with_values else outputs
         return tuple(projection(hidden_states) for projection in projections)
 
     def forward(
