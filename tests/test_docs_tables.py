@@ -43,7 +43,6 @@ LEGACY = {
     )),
     "medium_cpu/lrpe_table2.csv", "medium_cpu/lrpe_table1.csv",
     "linearization/minilm_tweet_sentiment.csv",
-    "benchmarks/encodings/encodings.csv", "benchmarks/attention/results.csv", "benchmarks/models/models.csv",
 }  # fmt: skip
 MACHINE_FIELDS = ("command", "commit", "clean", "device", "torch", "transformers", "threads", "date", "seconds")
 
