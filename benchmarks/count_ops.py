@@ -510,13 +510,16 @@ def fla_path(kernels=None):
     if kernels is None:
         yield
         return
-    from lrpe_hf.modeling import attention_kernels, feature_maps, kernel_attention, products_triton
+    from lrpe_hf.modeling import attention_kernels, products_triton
 
+    # every module that tests for fla's device, products_triton's own and those importing its test by name
+    device_tests = [
+        m for n, m in list(sys.modules.items()) if n.startswith("lrpe_hf.") and hasattr(m, "on_kernel_device")
+    ]
     stand_ins = stand_in_kernels(*kernels)
-    saved = [(module, name, getattr(module, name, None)) for module, name in (
+    saved = [(module, "on_kernel_device", module.on_kernel_device) for module in device_tests]
+    saved += [(module, name, getattr(module, name, None)) for module, name in (
         (attention_kernels, "can_run"), (products_triton, "can_run"), (products_triton, "load_fla"),
-        (products_triton, "on_kernel_device"), (attention_kernels, "on_kernel_device"),
-        (kernel_attention, "on_kernel_device"), (feature_maps, "on_kernel_device"),
         (products_triton, "gated_backward_fails"),
     )]  # fmt: skip
     original_can_run = products_triton.can_run
@@ -525,10 +528,8 @@ def fla_path(kernels=None):
         why_not = original_can_run(*args, **kwargs)
         return None if why_not == "its inputs are not on a CUDA device" else why_not
 
-    if hasattr(products_triton, "on_kernel_device"):  # the device test on its own: the other reasons still count
-        for module in (products_triton, attention_kernels, kernel_attention, feature_maps):  # (imported by name too)
-            if hasattr(module, "on_kernel_device"):
-                module.on_kernel_device = lambda x: True
+    for module in device_tests:  # the device test on its own: the other reasons still count
+        module.on_kernel_device = lambda x: True
     if hasattr(products_triton, "gated_backward_fails"):  # a GPU whose Triton runs fla's gated backward (>= 3.7.1)
         products_triton.gated_backward_fails = lambda dtype: False
     else:
