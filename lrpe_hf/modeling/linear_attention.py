@@ -145,11 +145,14 @@ class LinearAttention(nn.Module):
         """q, k and (``with_values``) v, each (B, N, hidden_size): in training one product by the projections'
         weights joined (``joined_projections``), else each projection's own. The joined v is copied into memory of
         its own: the products keep v for backward, and a view would keep q's and k's columns alive with it (3x the
-        memory); fla's path would make that copy anyway."""
+        memory); fla's path would make that copy anyway. Not where the encoding keeps q and k themselves
+        (``keeps_query_key``): their columns stay alive then, and a copy would keep one v more."""
         projections = (self.q_proj, self.k_proj, self.v_proj) if with_values else (self.q_proj, self.k_proj)
         if joinable(projections):
             outputs = joined_projections(projections, hidden_states).split(self.hidden_size, dim=-1)
-            return (*outputs[:2], outputs[2].contiguous()) if with_values else outputs
+            if with_values and not self.positional_encoding.keeps_query_key:
+                return (*outputs[:2], outputs[2].contiguous())
+            return outputs
         return tuple(projection(hidden_states) for projection in projections)
 
     def forward(

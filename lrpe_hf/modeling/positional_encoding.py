@@ -37,6 +37,10 @@ class PositionalEncoding(Reinitialisable):
     """Base class: the identity at every hook. A subclass with parameters or buffers gives their values in
     ``initial_values()`` (so that a model built on the meta device can re-create them)."""
 
+    # Whether ``encode_query_key`` saves q and k themselves for backward. In training with joined projections the
+    # layer then leaves v a view of the joined output, whose q and k columns stay alive anyway (else it copies v).
+    keeps_query_key = False
+
     def encode_query_key(self, q, k, positions, shared_draw=None):
         return q, k
 

@@ -535,6 +535,8 @@ class StochasticPositionalEncoding(PositionalEncoding):
     """The per-layer part of SPE: the gates (eq. 24-25). The codes come from the shared draw; queries and keys
     leave with ``num_realizations`` (R) dimensions."""
 
+    keeps_query_key = True  # mixing them with the trainable codes and gates
+
     def __init__(self, num_heads: int, head_dim: int, num_realizations: int, gated: bool):
         super().__init__()
         self.num_heads, self.head_dim, self.num_realizations, self.gated = num_heads, head_dim, num_realizations, gated
