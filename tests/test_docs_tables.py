@@ -42,7 +42,6 @@ LEGACY = {
         "text_feature_maps", "image_feature_maps",
     )),
     "medium_cpu/lrpe_table2.csv", "medium_cpu/lrpe_table1.csv",
-    "linearization/minilm_tweet_sentiment.csv",
 }  # fmt: skip
 MACHINE_FIELDS = ("command", "commit", "clean", "device", "torch", "transformers", "threads", "date", "seconds")
 
