@@ -41,7 +41,7 @@ LEGACY = {
         "lrpe_table2", "lrpe_table1", "image", "extrapolation", "synthetic_copy", "synthetic_recall",
         "text_feature_maps", "image_feature_maps",
     )),
-    "medium_cpu/lrpe_table2.csv", "medium_cpu/lrpe_table1.csv",
+    "medium_cpu/lrpe_table2.csv",
 }  # fmt: skip
 MACHINE_FIELDS = ("command", "commit", "clean", "device", "torch", "transformers", "threads", "date", "seconds")
 
