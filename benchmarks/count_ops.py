@@ -504,13 +504,13 @@ def stand_in_kernels(chunk_reference, step_reference):
 
 @contextlib.contextmanager
 def fla_path(kernels=None):
-    """With ``kernels`` ((chunk, step) references), CPU tensors take the causal product's GPU path: ``can_run``
-    answers yes where only the device stood in the way (on a GPU whose Triton runs fla's gated backward), and fla's
+    """With ``kernels`` ((chunk, step) references), CPU tensors take the causal product's GPU path: the device test
+    answers yes (``can_run``'s other reasons still count, on a GPU whose Triton runs fla's gated backward), and fla's
     kernels are stand-ins computing with them."""
     if kernels is None:
         yield
         return
-    from lrpe_hf.modeling import attention_kernels, products_triton
+    from lrpe_hf.modeling import products_triton
 
     # every module that tests for fla's device, products_triton's own and those importing its test by name
     device_tests = [
@@ -518,29 +518,16 @@ def fla_path(kernels=None):
     ]
     stand_ins = stand_in_kernels(*kernels)
     saved = [(module, "on_kernel_device", module.on_kernel_device) for module in device_tests]
-    saved += [(module, name, getattr(module, name, None)) for module, name in (
-        (attention_kernels, "can_run"), (products_triton, "can_run"), (products_triton, "load_fla"),
-        (products_triton, "gated_backward_fails"),
-    )]  # fmt: skip
-    original_can_run = products_triton.can_run
-
-    def can_run(*args, **kwargs):  # where the device is the only reason
-        why_not = original_can_run(*args, **kwargs)
-        return None if why_not == "its inputs are not on a CUDA device" else why_not
-
-    for module in device_tests:  # the device test on its own: the other reasons still count
+    saved += [(products_triton, name, getattr(products_triton, name)) for name in ("load_fla", "gated_backward_fails")]
+    for module in device_tests:
         module.on_kernel_device = lambda x: True
-    if hasattr(products_triton, "gated_backward_fails"):  # a GPU whose Triton runs fla's gated backward (>= 3.7.1)
-        products_triton.gated_backward_fails = lambda dtype: False
-    else:
-        attention_kernels.can_run = products_triton.can_run = can_run
+    products_triton.gated_backward_fails = lambda dtype: False  # Triton >= 3.7.1 runs fla's gated backward
     products_triton.load_fla = lambda: (stand_ins, None)
     try:
         yield
     finally:
         for module, name, value in saved:
-            if value is not None:
-                setattr(module, name, value)
+            setattr(module, name, value)
 
 
 def on_fla(name: str):
