@@ -87,6 +87,7 @@ def test_a_sweep_compares_every_encoding_with_the_first_paired_by_seed(sweep):
     assert record["files"] == ["comparisons.csv", "results.csv"]
     (entry,) = record["invocations"]
     assert entry["runs"] == entry["runs_trained"] == 4 and entry["jobs"] == 2 and entry["threads_per_run"] == 1
+    assert entry["finished"] is True  # one entry for the invocation, however often the sweep rewrote it
     (code,) = entry["run_code"]  # every run trained by this checkout's code
     assert entry["run_code"][code] == 4 and code.split("+")[0] == entry["commit"]
     for field in ("command", "commit", "clean", "device", "torch", "transformers", "threads", "date", "seconds"):
@@ -115,10 +116,37 @@ def test_a_killed_sweep_resumes_without_retraining_finished_runs(sweep, tmp_path
     assert printed.count("finished earlier, skipped") == 3
     invocations = json.loads((out / "results.json").read_text())["invocations"]
     assert len(invocations) == 2 and invocations[1]["runs_trained"] == 1  # the resumed sweep's own entry
+    assert invocations[0]["finished"] is invocations[1]["finished"] is True
     assert invocations[1]["run_code"]["0" * 40] == 1 and sum(invocations[1]["run_code"].values()) == 4
     assert "these runs were trained by different code" in printed
     assert "Every encoding against rope" in printed and "| softmax:rope | - | accuracy | rope (elu) | 2 |" in printed
     assert "[3/4] rope-elu-seed1: started" in printed and "[3/4] rope-elu-seed1: finished in" in printed
+
+
+def test_a_stopped_sweep_has_recorded_how_far_it_went(sweep, tmp_path, monkeypatch):
+    """results.csv and results.json are rewritten after each run, so a sweep stopped part-way leaves the rows of its
+    finished runs and its own entry: how many runs it trained itself, and that it did not finish."""
+    out = tmp_path / "sweep"
+    shutil.copytree(sweep, out)
+    (out / "results.json").unlink()
+    for name in ("rope-elu-seed1", "softmax_rope-seed1"):
+        (out / "runs" / name / "result.json").unlink()  # two runs left to train
+    names = ("rope-elu-seed0", "softmax_rope-seed0", "rope-elu-seed1")
+    so_far = [json.loads((sweep / "runs" / name / "result.json").read_text()) for name in names]
+
+    def stopped_after_one_run(runs, jobs, after_each_run):
+        after_each_run(so_far)  # the two found finished and one trained
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(compare, "sweep", stopped_after_one_run)
+    with pytest.raises(KeyboardInterrupt):
+        compare.main([*SWEEP, "--output_dir", out])
+    rows = read_csv(out / "results.csv")
+    assert [(r["encoding"], r["seed"]) for r in rows] == [("rope", "0"), ("softmax:rope", "0"), ("rope", "1")]
+    record = json.loads((out / "results.json").read_text())
+    (entry,) = record["invocations"]
+    assert record["files"] == ["results.csv"] and entry["command"].startswith("python ")
+    assert (entry["runs"], entry["runs_trained"], entry["finished"]) == (4, 1, False)
 
 
 def test_a_sweep_refuses_to_mix_runs_of_other_settings(sweep, tmp_path):

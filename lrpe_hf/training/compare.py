@@ -61,17 +61,19 @@ std over seeds; every other encoding against the baseline, the first listed or `
 seed: difference, 95% interval, p-value and the verdict better / worse / inconclusive, as ``verdicts.py`` decides
 the papers' claims; and the preset's claims), ``comparisons.csv`` (that baseline table), ``results.json`` (the
 record of every invocation that wrote them: command, commit and whether the tree was clean, device, torch and
-transformers versions, threads, date, seconds; ``provenance.py``), ``metric_<name>.png``, ``loss_curves.png`` and,
-with ``--eval_lengths``, ``extrapolation.png``. The sweep prints the baseline table when it ends.
+transformers versions, threads, date, seconds, runs trained and whether it finished; ``provenance.py``),
+``metric_<name>.png``, ``loss_curves.png`` and, with ``--eval_lengths``, ``extrapolation.png``. The sweep prints
+the baseline table when it ends.
 
 Each run trains in a fresh process, forked from a server process that has already imported the libraries
 (``multiprocessing``'s forkserver): the run's peak resident memory is its own, its state (seeds, threads) starts
 clean, a crash or a memory kill shows as that run's failure (with the end of its log), and the import cost (seconds)
 is paid once per sweep, not per run. ``--jobs N`` runs N at once, each with ``--threads`` torch threads (quick
 profile: two one-thread runs on 2 cores). A run is finished when its ``result.json`` exists: a sweep run again with
-the same arguments skips finished runs and restarts unfinished ones from scratch. Each run's result names the
-commit its code came from (``+changes`` for a changed tree); ``results.json`` counts the runs of each
-(``run_code``), and a sweep whose runs came from different code says so when it ends.
+the same arguments skips finished runs and restarts unfinished ones from scratch. ``results.csv`` and
+``results.json`` are rewritten after each run, so a sweep stopped part-way has recorded how far it went. Each run's
+result names the commit its code came from (``+changes`` for a changed tree); ``results.json`` counts the runs of
+each (``run_code``), and a sweep whose runs came from different code says so when it ends.
 """
 
 import multiprocessing
@@ -83,6 +85,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field, fields
 from multiprocessing.connection import wait
 from pathlib import Path
+from typing import Callable
 
 import torch
 from transformers import HfArgumentParser
@@ -93,7 +96,7 @@ from . import compare_report
 from .arguments import ModelArguments, build_config
 from .compare_tasks import ABSOLUTE_BASELINES, RUNNERS, as_strings, execute_run, load_result, model_arguments
 from .presets import PRESETS
-from .provenance import write_record
+from .provenance import Record
 from .tokenizer import TokenizerArguments, train_tokenizer
 from .verdicts import baseline_comparisons
 
@@ -462,9 +465,14 @@ def finished_result(run: dict) -> dict | None:
     return result
 
 
-def sweep(runs: list[dict], output_dir: Path, jobs: int) -> list[dict]:
+def code_counts(results: list[dict]) -> dict[str, int]:
+    """How many of the runs each commit's code trained (``+changes`` marks a changed tree)."""
+    return dict(Counter(result.get("code", "unknown") for result in results))
+
+
+def sweep(runs: list[dict], jobs: int, after_each_run: Callable[[list[dict]], None]) -> list[dict]:
     """Run every unfinished run, each in a fresh process, ``jobs`` at a time; print one line per run start and
-    finish, and rewrite results.csv after each."""
+    finish, and call ``after_each_run`` with the results so far (in the runs' order) after each."""
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload([execute_run.__module__, "matplotlib.pyplot"])  # the runs' loss plots
     results, waiting, active = {}, deque(), {}
@@ -496,7 +504,7 @@ def sweep(runs: list[dict], output_dir: Path, jobs: int) -> list[dict]:
                 raise RuntimeError(f"{tag} failed (exit code {process.exitcode}); the end of {log}:\n{tail}")
             print(f"{tag}: finished in {time.time() - start:.1f} s: {summary(result)}", flush=True)
             results[index] = result
-            compare_report.write_csv(output_dir / "results.csv", [results[i] for i in sorted(results)])
+            after_each_run([results[i] for i in sorted(results)])
     return [results[i] for i in sorted(results)]
 
 
@@ -513,7 +521,20 @@ def main(args=None):
     preset = PRESETS.get(parsed.preset, {})
     print(f"{len(runs)} runs of task {settings['task']} into {output_dir}", flush=True)
     trained_before = sum(load_result(Path(run["run_dir"])) is not None for run in runs)
-    results = sweep(runs, output_dir, settings["jobs"])
+    record = Record(output_dir / "results.json", "run_scripts/compare_encodings.py", append=True)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+
+    def record_sweep(results: list[dict], files=("results.csv",), finished=False) -> Path:
+        """This invocation's entry in results.json, as far as the sweep has gone."""
+        facts = dict(jobs=settings["jobs"], threads_per_run=settings["threads"], runs=len(runs), finished=finished)
+        facts.update(runs_trained=len(results) - trained_before, run_code=code_counts(results))
+        return record.write(list(files), device, **facts)
+
+    def after_each_run(results: list[dict]):
+        compare_report.write_csv(output_dir / "results.csv", results)
+        record_sweep(results)
+
+    results = sweep(runs, settings["jobs"], after_each_run)
     title = f"Preset {parsed.preset}" if parsed.preset else f"Task {settings['task']}"
     feature_maps = ",".join(settings["feature_maps"] or ["each encoding's default"])
     shown = {"seeds": settings["seeds"], "feature_maps": feature_maps, **runs[0]["settings"]}
@@ -521,16 +542,11 @@ def main(args=None):
         output_dir, results, title, preset.get("mirrors", ""), shown, preset.get("claims", []), settings["baseline"]
     )
     csvs = [path.name for path in written if path.suffix == ".csv"]
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    sweep_facts = dict(jobs=settings["jobs"], threads_per_run=settings["threads"], runs=len(runs))
-    sweep_facts["runs_trained"] = len(runs) - trained_before
-    sweep_facts["run_code"] = dict(Counter(result.get("code", "unknown") for result in results))
-    if len(sweep_facts["run_code"]) > 1:
-        versions = ", ".join(f"{code[:12]}: {count}" for code, count in sweep_facts["run_code"].items())
+    written.append(record_sweep(results, csvs, finished=True))
+    if len(code_counts(results)) > 1:
+        versions = ", ".join(f"{code[:12]}: {count}" for code, count in code_counts(results).items())
         print(f"Note: these runs were trained by different code ({versions} runs); results.json records it. Delete "
               "the runs' folders under runs/ to train them again with today's.", flush=True)  # fmt: skip
-    record = output_dir / "results.json"
-    written.append(write_record(record, csvs, "run_scripts/compare_encodings.py", device, append=True, **sweep_facts))
     baseline = settings["baseline"]
     comparisons = baseline_comparisons(results, baseline, compare_report.metric_names(results))
     print("\n".join(["", *compare_report.comparison_lines(comparisons, baseline), ""]), flush=True)

@@ -1,7 +1,8 @@
 """Machine-written provenance: a JSON record beside the CSVs a tool writes, saying what produced them.
 
 Every tool that writes data for the docs (``compare_encodings.py``, ``benchmarks/linearization_quality.py``, the
-benchmarks under ``benchmarks/``) calls ``write_record`` once its CSVs are written. The record of ``X.csv`` is
+benchmarks under ``benchmarks/``) calls ``write_record`` once its CSVs are written; a sweep keeps a ``Record``
+current after each run, so one stopped before its end has recorded how far it went. The record of ``X.csv`` is
 ``X.json`` beside it, or a record in the same folder that lists ``X.csv`` in its ``files``. A record::
 
     {"written_by": "run_scripts/compare_encodings.py",
@@ -117,27 +118,43 @@ def invocation(output_dir: Path, device: str = "cpu", seconds: float | None = No
     return entry
 
 
+class Record:
+    """The record ``path`` of files in its folder, written by the tool ``written_by``: the invocations that wrote
+    there before (kept with ``append``, when the same tool wrote them) and this one, whose entry each ``write``
+    replaces, so a long invocation can keep its record current while it runs."""
+
+    def __init__(self, path, written_by: str, append: bool = False):
+        self.path, self.written_by = Path(path), written_by
+        self.earlier_invocations, self.earlier_files = [], []
+        if append and self.path.exists():
+            try:
+                earlier = json.loads(self.path.read_text())
+            except ValueError:
+                earlier = {}
+            if earlier.get("written_by") == written_by:
+                self.earlier_invocations = list(earlier.get("invocations", []))
+                self.earlier_files = list(earlier.get("files", []))
+
+    def write(self, files: list[str], device: str = "cpu", seconds: float | None = None, **extra) -> Path:
+        """Write the record with this invocation's entry as it stands: command, commit and tree state, device,
+        versions, threads, date and seconds (default: since the process started), and ``extra`` fields."""
+        entry = invocation(self.path.parent, device, seconds, **extra)
+        record = dict(
+            written_by=self.written_by,
+            files=sorted(set(files) | set(self.earlier_files)),
+            invocations=[*self.earlier_invocations, entry],
+        )
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text(json.dumps(record, indent=2) + "\n")
+        return self.path
+
+
 def write_record(
     path, files: list[str], written_by: str, device: str = "cpu", seconds: float | None = None, append=False, **extra
 ) -> Path:
-    """Write (or, with ``append``, extend) the record ``path`` of ``files`` (names in ``path``'s folder): this
-    invocation's command, commit and tree state, device, versions, threads, date and seconds (default: since the
-    process started), and ``extra`` fields."""
-    path = Path(path)
-    entry = invocation(path.parent, device, seconds, **extra)
-    record = dict(written_by=written_by, files=sorted(files), invocations=[])
-    if append and path.exists():
-        try:
-            earlier = json.loads(path.read_text())
-        except ValueError:
-            earlier = {}
-        if earlier.get("written_by") == written_by:
-            record["invocations"] = list(earlier.get("invocations", []))
-            record["files"] = sorted(set(record["files"]) | set(earlier.get("files", [])))
-    record["invocations"].append(entry)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(record, indent=2) + "\n")
-    return path
+    """Write (or, with ``append``, extend) the record ``path`` of ``files`` (names in ``path``'s folder) with this
+    invocation's entry (``Record.write``)."""
+    return Record(path, written_by, append).write(files, device, seconds, **extra)
 
 
 def record_of(csv_path) -> Path | None:
