@@ -44,7 +44,7 @@ demo: install
 # one profile, 3 seeds, into $(REPRODUCE)/<preset>/ (results.md, results.csv, PNG plots). One BPE tokenizer,
 # trained once, serves the text presets. Killed, it resumes where it stopped. PROFILE=quick (the default): budgeted
 # for about 30 minutes on 2 CPU cores (27 when timed on 2026-11-22). PROFILE=medium: on one GPU with
-# SWEEP_FLAGS="--jobs 8 --threads 2", 66 run-minutes of training on an H100 (docs/data/medium/), at most 8 at a time.
+# SWEEP_FLAGS="--jobs 8 --threads 2", eight runs at a time; on 2 CPU cores, "--jobs 2 --threads 1" (docs/data/README.md).
 PROFILE ?= quick
 SWEEP_FLAGS ?=
 REPRODUCE ?= out/reproduce$(if $(filter-out quick,$(PROFILE)),-$(PROFILE))

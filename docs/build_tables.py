@@ -4,7 +4,7 @@ from its data (``tests/test_docs_tables.py`` fails when one differs).
 A built table sits between two markers; the first names the kind of table and its sources (paths relative to
 docs/data/):
 
-    <!-- table: encodings medium/lrpe_table2.csv perplexity none -->
+    <!-- table: encodings medium_cpu/lrpe_table2/results.csv perplexity none -->
     | ... |
     <!-- end table -->
 

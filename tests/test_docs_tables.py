@@ -34,15 +34,6 @@ def test_the_docs_build_their_tables_from_data():
 
 
 DATA = ROOT / "docs" / "data"
-# The CSVs written before the tools wrote records: their records were reconstructed by hand from git history
-# ("written_by": "reconstructed", unknown facts null). No other CSV may have such a record.
-LEGACY = {
-    *(f"medium/{name}.csv" for name in (
-        "lrpe_table2", "lrpe_table1", "image", "extrapolation", "synthetic_copy", "synthetic_recall",
-        "text_feature_maps", "image_feature_maps",
-    )),
-    "medium_cpu/lrpe_table2.csv",
-}  # fmt: skip
 MACHINE_FIELDS = ("command", "commit", "clean", "device", "torch", "transformers", "threads", "date", "seconds")
 
 
@@ -67,25 +58,20 @@ def in_history(commit: str) -> bool | None:
 
 
 def record_problems(name: str, record: dict) -> list[str]:
-    """What is wrong with ``record`` as the provenance of docs/data/``name``: a record written by a tool names
-    every fact of every invocation, a commit in this repository's history and a clean tree; a reconstructed one is
-    allowed for the LEGACY files only, and any commit it names must be real too."""
+    """What is wrong with ``record`` as the provenance of docs/data/``name``: it must say which tool wrote it, and
+    name every fact of every invocation, a commit in this repository's history and a clean tree."""
     invocations = record.get("invocations") or []
     problems = [] if invocations else [f"{name}: its record lists no invocation"]
-    reconstructed = record.get("written_by") == "reconstructed"
     if not record.get("written_by"):
         problems.append(f"{name}: its record does not say what wrote it (written_by)")
-    if reconstructed and name not in LEGACY:
-        problems.append(f"{name}: a reconstructed record; data written since the tools record themselves needs theirs")
     for entry in invocations:
-        needed = ("command", "date") if reconstructed else MACHINE_FIELDS
-        missing = [field for field in needed if field not in entry or (not reconstructed and entry[field] is None)]
+        missing = [field for field in MACHINE_FIELDS if entry.get(field) is None]
         if missing:
             problems.append(f"{name}: its record lacks {', '.join(missing)}")
         commit = entry.get("commit")
         if commit is not None and in_history(commit) is False:
             problems.append(f"{name}: commit {commit} is not in this repository's history")
-        if not reconstructed and entry.get("clean") is not True:
+        if entry.get("clean") is False:
             problems.append(f"{name}: written from a tree with uncommitted changes: {entry.get('changes')}")
     return problems
 
@@ -122,15 +108,14 @@ def test_a_record_without_a_clean_known_commit_fails():
         "lacks seconds"
         in record_problems("new/x.csv", dict(written_by="x.py", invocations=[dict(good, seconds=None)]))[0]
     )
-    legacy = dict(written_by="reconstructed", invocations=[dict(command="c", date="2026-11-22", commit=None)])
-    assert not record_problems("medium/image.csv", legacy)
-    assert "reconstructed record" in record_problems("new/x.csv", legacy)[0]
+    unknown_commit = dict(good, commit=None)  # a record written by hand after the fact knows no commit
+    assert "lacks commit" in record_problems("new/x.csv", dict(written_by="x.py", invocations=[unknown_commit]))[0]
+    assert "what wrote it" in record_problems("new/x.csv", dict(invocations=[good]))[0]
 
 
 def test_every_csv_under_docs_data_says_where_it_came_from():
     """docs/data/README.md names each CSV in a row that gives its command, commit, device and date, and agrees
-    with its record: the row's code names each commit the record names (or says unknown where it has none and
-    knows none), and its date each invocation's date."""
+    with its record: the row's code names each invocation's commit, and its date each invocation's date."""
     readme = (DATA / "README.md").read_text()
     rows = {line.split("|")[1].strip().strip("`"): line for line in readme.splitlines() if line.startswith("| `")}
     for name in csv_names():
@@ -141,20 +126,14 @@ def test_every_csv_under_docs_data_says_where_it_came_from():
         code, date = cells[-2], cells[-1]
         for entry in json.loads(provenance.record_of(DATA / name).read_text())["invocations"]:
             assert entry["date"][:10] in date, f"{name}: the row's date {date!r}, the record's {entry['date']}"
-            if entry.get("commit"):
-                assert entry["commit"][:7] in code, f"{name}: the row's code {code!r}, the record's {entry['commit']}"
-            elif str(entry.get("code", "unknown")).startswith("unknown"):
-                assert "unknown" in code, f"{name}: the record knows no commit, the row's code says {code!r}"
-            else:
-                for commit in re.findall(r"\b[0-9a-f]{7}\b", entry["code"]):
-                    assert commit in code, f"{name}: the row's code {code!r}, the record's {entry['code']!r}"
+            assert entry["commit"][:7] in code, f"{name}: the row's code {code!r}, the record's {entry['commit']}"
 
 
 def test_a_table_naming_missing_data_or_an_unknown_kind_fails():
     with pytest.raises(FileNotFoundError, match="not under docs/data"):
         build_tables.build("encodings nowhere.csv perplexity none")
     with pytest.raises(ValueError, match="Unknown table kind 'pie'"):
-        build_tables.build("pie medium/lrpe_table2.csv")
+        build_tables.build("pie medium_cpu/lrpe_table1/results.csv")
 
 
 def rows_of(encoding, values, feature_map="elu", metric="perplexity"):

@@ -17,8 +17,8 @@ above 0), *worse* (below 0) or *inconclusive*. One seed gives no interval, and s
 The comparison tool writes the claims' table for a preset (``presets.PRESETS[...]["claims"]``) and the baseline
 table for every sweep; run this module on a results.csv to recompute either::
 
-    python -m lrpe_hf.training.verdicts --preset lrpe_table2 docs/data/medium/lrpe_table2.csv
-    python -m lrpe_hf.training.verdicts --baseline none docs/data/medium/lrpe_table2.csv
+    python -m lrpe_hf.training.verdicts --preset lrpe_table2 docs/data/medium_cpu/lrpe_table2/results.csv
+    python -m lrpe_hf.training.verdicts --baseline none docs/data/medium_cpu/lrpe_table2/results.csv
 """
 
 import argparse
