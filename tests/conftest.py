@@ -81,3 +81,33 @@ def save_tiny_bert(workspace, folder, max_position_embeddings: int):
     BertModel(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+def train_to_repeat(model, steps: int = 200, period: int = 6, seed: int = 0):
+    """Trains a causal LM in place (AdamW, 200 steps of 16 rows: about a second) to continue a sequence by
+    repeating its last ``period`` tokens, and returns it in eval mode. An untrained model emits nearly the same tokens
+    whatever its context, so a test of generation that compares tokens could not fail; this one's next tokens are
+    read from its prompt."""
+    generator = torch.Generator().manual_seed(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model.train()
+    for _ in range(steps):
+        pattern = torch.randint(3, model.config.vocab_size, (16, period), generator=generator)
+        ids = pattern.repeat(1, 3)
+        model(ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def repeating_gpt():
+    """A 2 x 32 LinearGPT (PermuteFormer, vocabulary 60, pad 0) trained to repeat its prompt's last 6 tokens."""
+    from lrpe_hf import LinearGPTConfig, LinearGPTForCausalLM
+
+    torch.manual_seed(0)
+    config = LinearGPTConfig(
+        vocab_size=60, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        pad_token_id=0, eos_token_id=None, positional_encoding="permute",
+    )  # fmt: skip
+    return train_to_repeat(LinearGPTForCausalLM(config))

@@ -139,18 +139,49 @@ def test_stop_strings_end_generation_as_with_gpt2(causal_tokenizer):
     assert pipeline_stops[0] == pipeline_stops[1]
 
 
-def test_generation_continues_from_a_returned_cache(causal_tokenizer):
+def generate_with_logits(model, ids, **kwargs):
+    return model.generate(ids, do_sample=False, return_dict_in_generate=True, output_logits=True, **kwargs)
+
+
+def test_generation_continues_from_a_returned_cache(repeating_gpt):
     """The multi-turn pattern: generate, then generate again from the returned sequences and cache (under every
-    name the cache goes by): the tokens equal one generation of the whole length."""
-    ours, _ = gpt_pair(causal_tokenizer, eos_token_id=None, positional_encoding="permute")
-    inputs = causal_tokenizer(["the river flows"], return_tensors="pt")
-    whole = ours.generate(**inputs, max_new_tokens=8, do_sample=False)
+    name the cache goes by): the tokens and every step's logits equal one generation of the whole length, and the
+    cache has taken each token once. The model repeats its prompt, so its tokens depend on the context."""
+    model = repeating_gpt
+    ids = torch.randint(3, 60, (2, 6), generator=torch.Generator().manual_seed(1)).repeat(1, 2)
+    whole = generate_with_logits(model, ids, max_new_tokens=8)
+    assert (whole.sequences[:, 12:18] == ids[:, :6]).float().mean() > 0.75  # it reads its context
     for name in sorted({"past_key_values", CACHE_OUTPUT_FIELD}):  # "cache" is generate's own name from 5.24 on
-        first = ours.generate(**inputs, max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
+        first = model.generate(ids, max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
         cache = first.cache if hasattr(first, "cache") else first.past_key_values
         assert isinstance(cache, lrpe_hf.LinearAttentionCache)
-        then = ours.generate(first.sequences, max_new_tokens=4, do_sample=False, **{name: cache})
-        assert torch.equal(then, whole), name
+        then = generate_with_logits(model, first.sequences, max_new_tokens=4, **{name: cache})
+        assert torch.equal(then.sequences, whole.sequences), name
+        torch.testing.assert_close(torch.stack(then.logits), torch.stack(whole.logits)[4:])
+        assert cache.get_seq_length() == whole.sequences.shape[1] - 1
+
+
+def test_generation_continues_a_cache_with_new_text_given_whole_or_as_the_new_tokens(repeating_gpt):
+    """A new turn: the returned sequences plus new tokens, given whole (the mask as long as the ids, or none) or as the
+    new tokens alone with a mask over everything, continue as one generation over the joined text; fewer tokens than
+    the cache has seen, with a mask as long, raise."""
+    model = repeating_gpt
+    ids = torch.randint(3, 60, (1, 6), generator=torch.Generator().manual_seed(2)).repeat(1, 2)
+    turn = torch.randint(3, 60, (1, 6), generator=torch.Generator().manual_seed(3))
+    first = model.generate(ids, max_new_tokens=3, do_sample=False, return_dict_in_generate=True)
+    joined = torch.cat([first.sequences, turn, turn], dim=1)
+    whole = generate_with_logits(model, joined, max_new_tokens=5)
+    assert (whole.sequences[:, -5:] == turn[:, :5]).float().mean() > 0.75
+    ones = torch.ones_like(joined)
+    for given, mask in [(joined, None), (joined, ones), (joined[:, first.sequences.shape[1] - 1 :], ones)]:
+        cache = model.generate(ids, max_new_tokens=3, do_sample=False, return_dict_in_generate=True)
+        cache = cache.cache if hasattr(cache, "cache") else cache.past_key_values
+        mask_argument = {} if mask is None else {"attention_mask": mask}
+        then = generate_with_logits(model, given, max_new_tokens=5, **{CACHE_OUTPUT_FIELD: cache}, **mask_argument)
+        assert torch.equal(then.sequences[:, -5:], whole.sequences[:, -5:])
+        torch.testing.assert_close(torch.stack(then.logits), torch.stack(whole.logits))
+    with pytest.raises(ValueError, match=f"12 tokens with a cache that has seen {cache.get_seq_length()}:"):
+        model.generate(ids, max_new_tokens=2, do_sample=False, **{CACHE_OUTPUT_FIELD: cache})
 
 
 def test_text_generation_pipeline_with_a_left_padding_tokenizer(causal_tokenizer):

@@ -74,17 +74,30 @@ def test_incremental_decoding_equals_full_forward(encoding, attention):
     "encoding, attention", [(e, "linear") for e in lrpe_hf.POSITIONAL_ENCODINGS] + [("rope", "softmax")]
 )
 def test_left_padded_batched_generation_equals_each_prompt_alone(encoding, attention):
-    """Its decoding steps go without the mask (see the next test): the padding's place is known from the cache."""
+    """Compared on every step's logits, which read the whole context (an untrained model's tokens barely do: a
+    changed first token moves them by far more than the tolerance). Its decoding steps go without the mask (see the
+    next test): the padding's place is known from the cache."""
     model = model_with(encoding, attention=attention)
     short, long = prompt(batch=1, tokens=4, seed=1), prompt(batch=1, tokens=7, seed=2)
     ids = torch.cat([torch.cat([torch.zeros(1, 3, dtype=torch.long), short], dim=1), long])
     mask = (ids != 0).long()
     mask[1] = 1
-    batched = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
-    alone_short = model.generate(short, max_new_tokens=6, do_sample=False)
-    alone_long = model.generate(long, max_new_tokens=6, do_sample=False)
+
+    def generate(ids, **kwargs):
+        out = model.generate(
+            ids, max_new_tokens=6, do_sample=False, return_dict_in_generate=True, output_logits=True, **kwargs
+        )
+        return out.sequences, torch.stack(out.logits, dim=1)
+
+    batched, batched_logits = generate(ids, attention_mask=mask)
+    alone_short, short_logits = generate(short)
+    alone_long, long_logits = generate(long)
     assert batched[0, 3:].tolist() == alone_short[0].tolist()
     assert batched[1].tolist() == alone_long[0].tolist()
+    torch.testing.assert_close(batched_logits[0], short_logits[0], atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(batched_logits[1], long_logits[0], atol=1e-5, rtol=1e-4)
+    _, changed_logits = generate(torch.cat([short[:, :1] % 50 + 3, short[:, 1:]], dim=1))
+    assert (changed_logits - short_logits).abs().max() > 1e-3  # the comparison can fail
 
 
 def test_generate_hands_the_mask_to_the_prefill_only():

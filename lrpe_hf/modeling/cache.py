@@ -85,6 +85,19 @@ class LinearAttentionCache(Cache):
         for state in self.states:
             state.repeat_interleave(repeats)
 
+    @property
+    def is_linear(self) -> list[bool]:
+        """False for every layer. transformers reads True as "this layer cannot say how many tokens it has seen" (its
+        recurrent caches keep no count), and then ``generate`` (5.24 on) feeds a sequence that continues a returned
+        cache whole, through the state a second time. This cache counts its tokens, so ``generate`` cuts such a
+        sequence to its uncached tail, as it does for key-value caches (and as releases before 5.24 do for any)."""
+        return [False] * len(self.states)
+
+    @property
+    def is_croppable(self) -> bool:
+        """False: ``generate`` (5.24 on) then refuses assisted decoding before its first rollback."""
+        return False
+
     def crop(self, max_length: int):
         raise NotImplementedError(
             "A linear-attention state cannot be cropped (it summarises every past token); generation strategies that "

@@ -189,6 +189,13 @@ class LinearGPTForCausalLM(LinearGPTPreTrainedModel, GenerationMixin):
         path, the one the benchmarks time (a mask, even of ones, takes the masked path: more ops per layer and
         step)."""
         given_positions = kwargs.get("position_ids") is not None
+        uncached = kwargs.get("next_sequence_length")
+        if kwargs.get("is_first_iteration") and uncached is not None and uncached <= 0:
+            raise ValueError(
+                f"generate got {input_ids.shape[1]} tokens with a cache that has seen {input_ids.shape[1] - uncached}: "
+                "to continue from a cache, pass the whole sequence it was built from followed by new tokens (the "
+                "returned `sequences`), or only the new tokens with an attention mask over the whole sequence"
+            )
         model_inputs = super().prepare_inputs_for_generation(input_ids, **kwargs)
         if not given_positions:
             model_inputs.pop("position_ids", None)
