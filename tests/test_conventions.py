@@ -376,6 +376,22 @@ def test_bad_masks_positions_and_labels_stop_with_a_message(family, tokenizer):
     model(ids, attention_mask=torch.ones_like(ids, dtype=torch.bool), labels=ids)  # bool masks and int labels
 
 
+@pytest.mark.parametrize("family", ["roberta", "gpt"])
+def test_one_row_of_position_ids_stands_for_every_row_as_in_gpt2_and_roberta(family, tokenizer):
+    """position_ids of shape (N,), as GPT-2 and RoBERTa take them, give the outputs of the same positions repeated
+    over the batch, and not those of the default positions (these have gaps: a rotation reads them)."""
+    model, inputs = family_models(tokenizer)[family]
+    model.eval()
+    ids = inputs["input_ids"].repeat(2, 1)
+    positions = 3 * torch.arange(ids.shape[1])
+    with torch.no_grad():
+        one_row = model(ids, position_ids=positions).logits
+        every_row = model(ids, position_ids=positions.expand(2, -1)).logits
+        default = model(ids).logits
+    torch.testing.assert_close(one_row, every_row, rtol=0, atol=0)
+    assert (one_row - default).abs().max() > 1e-4
+
+
 def test_token_and_sequence_labels_are_checked(tokenizer):
     torch.manual_seed(0)
     config = lrpe_hf.LinearRobertaConfig(vocab_size=len(tokenizer), **SIZES, **special_ids(tokenizer), **LABELS)

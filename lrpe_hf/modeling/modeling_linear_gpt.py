@@ -21,9 +21,9 @@ from .label_checks import check_sequence_labels, check_token_labels
 from .lm_loss import causal_lm_loss
 from .positional_absolute import build_absolute_position_embedding
 from .positions import (
-    check_given_positions,
     check_mask_against_cache,
     default_position_ids,
+    given_position_ids,
     last_real_tokens,
     mask_as_bool,
 )
@@ -95,7 +95,7 @@ class LinearGPTModel(LinearGPTPreTrainedModel):
         past_key_values = take_cache(kwargs, past_key_values=past_key_values, cache=cache)
         check_extra_arguments(self, kwargs)
         check_single_segment(token_type_ids)
-        check_given_positions(position_ids)
+        position_ids = given_position_ids(position_ids)
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of input_ids and inputs_embeds")
         hidden_states = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds

@@ -21,7 +21,7 @@ from .configuration_linear_roberta import LinearRobertaConfig
 from .forward_arguments import LOSS_ARGUMENTS, check_extra_arguments
 from .label_checks import check_sequence_labels, check_token_labels
 from .positional_absolute import build_absolute_position_embedding
-from .positions import check_given_positions, default_position_ids, first_real_tokens, mask_as_bool
+from .positions import default_position_ids, first_real_tokens, given_position_ids, mask_as_bool
 from .transformer_layer import Dropout
 from .transformer_stack import LinearPreTrainedModel, LinearTransformerStack, check_single_segment
 
@@ -70,7 +70,7 @@ class LinearRobertaModel(LinearRobertaPreTrainedModel):
         for analysis)."""
         check_extra_arguments(self, kwargs)
         check_single_segment(token_type_ids)
-        check_given_positions(position_ids)
+        position_ids = given_position_ids(position_ids)
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of input_ids and inputs_embeds")
         hidden_states = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds

@@ -70,10 +70,14 @@ def default_position_ids(attention_mask, batch_size: int, num_tokens: int, devic
     return positions[:, -num_tokens:]
 
 
-def check_given_positions(position_ids):
-    """A model's ``position_ids`` (B or 1, N) count tokens from 0: negative ones are refused."""
-    if position_ids is not None:
-        check_values(torch.as_tensor(position_ids) >= 0, "position_ids must be 0 or more (positions count from 0)")
+def given_position_ids(position_ids):
+    """A model's ``position_ids`` as (B or 1, N): (N,) (GPT-2 and RoBERTa take it) stands for every row. They count
+    tokens from 0: negative ones are refused."""
+    if position_ids is None:
+        return None
+    position_ids = torch.as_tensor(position_ids)
+    check_values(position_ids >= 0, "position_ids must be 0 or more (positions count from 0)")
+    return position_ids.unsqueeze(0) if position_ids.dim() == 1 else position_ids
 
 
 def first_real_tokens(attention_mask, batch_size: int, num_tokens: int, device) -> torch.Tensor:
@@ -95,14 +99,21 @@ def last_real_tokens(attention_mask, input_ids, pad_token_id, batch_size: int, n
 
 
 def check_position_ids(position_ids, batch_size: int, num_tokens: int, position_dims: int, device) -> torch.Tensor:
-    """Integer positions (B, N, A) from ``position_ids`` of shape (B or 1, N) in 1D or (B or 1, N, 2) in 2D."""
+    """Integer positions (B, N, A) from ``position_ids`` of shape (B or 1, N) or (N,) in 1D (GPT-2 and RoBERTa take
+    both), (B or 1, N, 2) or (N, 2) in 2D."""
     positions = torch.as_tensor(position_ids, device=device)
     if positions.is_floating_point():
         raise ValueError("position_ids must be integers")
+    if positions.dim() == position_dims:  # one row of positions for every row of the batch
+        positions = positions.unsqueeze(0)
     if position_dims == 1 and positions.dim() == 2:
         positions = positions[..., None]
     if positions.dim() != 3 or positions.shape[1:] != (num_tokens, position_dims):
-        expected = f"(batch, {num_tokens})" if position_dims == 1 else f"(batch, {num_tokens}, 2) with (row, col)"
+        expected = (
+            f"(batch, {num_tokens}) or ({num_tokens},)"
+            if position_dims == 1
+            else f"(batch, {num_tokens}, 2) or ({num_tokens}, 2) with (row, col)"
+        )
         raise ValueError(f"position_ids must have shape {expected}; got {tuple(position_ids.shape)}")
     return positions.expand(batch_size, -1, -1).long()
 
