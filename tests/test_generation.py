@@ -404,7 +404,7 @@ def test_an_argument_the_model_does_not_use_raises_naming_it():
     cache = LinearAttentionCache(model.config.num_hidden_layers)
     with pytest.raises(TypeError, match="does not use: recurrent_state"):
         model(prompt(), recurrent_state=cache)
-    with pytest.raises(TypeError, match="does not use: cu_seq_lens_q"):
+    with pytest.raises(TypeError, match="read packed rows from position_ids alone"):
         model.model(prompt(), cu_seq_lens_q=torch.tensor([0, 7]))
     # what transformers passes and the model understands or has no use for: the loss's token count, cache slots,
     # return_dict, generate's tokenizer (for stop strings)

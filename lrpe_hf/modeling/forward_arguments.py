@@ -47,10 +47,24 @@ def take_cache(kwargs: dict, **named):
     return None
 
 
+# What transformers' DataCollatorWithFlattening adds for flash attention (return_flash_attn_kwargs=True) and for
+# recurrent kernels (return_seq_idx=True): the documents of a packed row, which these models read from its
+# position_ids (a position that does not grow starts a document), which the collator returns by default.
+PACKING_ARGUMENTS = frozenset({"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx"})
+
+
 def check_extra_arguments(model, kwargs: dict, accepted=frozenset()):
     """Raise on any keyword argument of ``model.forward`` that is neither named in its signature, nor in
     ``accepted`` (the ones its loss uses), nor neutral."""
     unknown = sorted(set(kwargs) - NEUTRAL_ARGUMENTS - accepted)
+    packing = [name for name in unknown if name in PACKING_ARGUMENTS]
+    if packing:
+        raise TypeError(
+            f"{type(model).__name__}.forward got {', '.join(packing)}, which mark packed documents for flash "
+            "attention or recurrent kernels. These models read packed rows from position_ids alone (a position that "
+            "does not grow starts a document): use DataCollatorWithFlattening() without return_flash_attn_kwargs "
+            "or return_seq_idx (it returns position_ids by default)."
+        )
     if unknown:
         raise TypeError(
             f"{type(model).__name__}.forward got argument(s) it does not use: {', '.join(unknown)}. It refuses them "
