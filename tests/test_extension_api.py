@@ -54,7 +54,7 @@ class SignedReLU(lrpe_hf.FeatureMap):
 @pytest.fixture
 def registered():
     lrpe_hf.register_positional_encoding(
-        "alibi", lambda options, num_heads, head_dim, feature_dim: ALiBiDecay(num_heads)
+        "alibi", lambda options, num_heads, head_dim, feature_dim: ALiBiDecay(num_heads), causal_only=True
     )
     lrpe_hf.register_positional_encoding(
         "parity", lambda options, num_heads, head_dim, feature_dim: ParitySigns(), signed_features=True
@@ -131,10 +131,22 @@ def test_alibi_decay_matches_its_formula_and_generates(registered, tmp_path):
     )
 
 
-def test_a_decay_in_a_bidirectional_model_is_refused(registered):
-    layer = lrpe_hf.LinearAttention(16, 2, positional_encoding="alibi", causal=False)
-    with pytest.raises(ValueError, match="causal"):
-        layer(torch.randn(1, 4, 16))
+def test_a_decay_in_a_bidirectional_model_is_refused_when_built(registered):
+    """Registered causal_only, as the README's ALiBi: the bidirectional configs refuse it when built; registered
+    without the flag, the layer refuses it when built (before, the first forward raised)."""
+    for config_class in (lrpe_hf.LinearRobertaConfig, lrpe_hf.LinearViTConfig):
+        with pytest.raises(ValueError, match="'alibi' decays with distance: it is for causal attention only"):
+            config_class(positional_encoding="alibi")
+    lrpe_hf.LinearGPTConfig(positional_encoding="alibi")
+    lrpe_hf.register_positional_encoding(
+        "alibi_unflagged", lambda options, num_heads, head_dim, feature_dim: ALiBiDecay(num_heads)
+    )
+    try:
+        with pytest.raises(ValueError, match="register it with causal_only=True"):
+            lrpe_hf.LinearAttention(16, 2, positional_encoding="alibi_unflagged", causal=False)
+        lrpe_hf.LinearAttention(16, 2, positional_encoding="alibi_unflagged", causal=True)
+    finally:
+        POSITIONAL_ENCODING_REGISTRY.pop("alibi_unflagged")
 
 
 def test_registration_errors_and_names(registered):

@@ -116,6 +116,11 @@ class AttentionOptions:
                     f"normalization='unrotated_denominator' is meant for {', '.join(signed)}; "
                     f"with {pe!r} use 'denominator' or 'output_norm'"
                 )
+        if encoding.causal_only and not self.causal:
+            raise ValueError(
+                f"{self.positional_encoding!r} decays with distance: it is for causal attention only (LinearGPT, or "
+                "LinearAttention(causal=True)); bidirectional models (LinearRoberta, LinearViT) cannot use it"
+            )
         if self.position_dims == 2:
             if self.causal:
                 raise ValueError("position_dims=2 (image patches) has no causal order; use causal=False")

@@ -109,6 +109,12 @@ class LinearAttention(nn.Module):
         self.attention = ATTENTION_PATHS[o.attention](o, self.head_dim, query_key_dim)
         feature_dim = getattr(self.attention, "feature_dim", query_key_dim)
         self.positional_encoding = build_positional_encoding(o, num_heads, self.head_dim, feature_dim)
+        if not o.causal and self.positional_encoding.log_decay is not None:
+            raise ValueError(
+                f"positional_encoding={o.positional_encoding!r} decays with distance (it has a log_decay): it is for "
+                "causal attention only (LinearGPT, or LinearAttention(causal=True)); register it with "
+                "causal_only=True so that bidirectional configs refuse it when built"
+            )
         self.standalone = standalone
         own_shared = standalone and entry.build_shared is not None
         self.shared_codes = entry.build_shared(o, num_heads, self.head_dim) if own_shared else None

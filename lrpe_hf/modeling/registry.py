@@ -61,6 +61,8 @@ class PositionalEncodingEntry:
         query_key_dim: ``query_key_dim(options, head_dim)``, the width of queries and keys after
             ``encode_query_key`` when the encoding changes it (SPE: its number of realizations); ``None``: head_dim.
         default_feature_map: the feature map its paper pairs it with, used when ``feature_map`` is not set.
+        causal_only: it weighs keys by how far back they are (a ``log_decay``), so a bidirectional config (LinearRoberta,
+            LinearViT) is refused when built.
     """
 
     builder: Callable
@@ -71,6 +73,7 @@ class PositionalEncodingEntry:
     supports_2d: bool = True
     query_key_dim: Callable | None = None
     default_feature_map: str = "elu"
+    causal_only: bool = False
 
     def width_of_queries_and_keys(self, options, head_dim: int) -> int:
         return self.query_key_dim(options, head_dim) if self.query_key_dim else head_dim
@@ -143,13 +146,15 @@ def register_positional_encoding(
     supports_2d: bool = True,
     query_key_dim: Callable | None = None,
     default_feature_map: str = "elu",
+    causal_only: bool = False,
     overwrite: bool = False,
 ):
     """Make ``positional_encoding=name`` available to every config, layer and model family.
 
     ``builder(options, num_heads, head_dim, feature_dim)`` returns a ``PositionalEncoding``. The default
     normalisation is ``unrotated_denominator`` for encodings with signed features and ``denominator`` otherwise;
-    ``default_feature_map`` is used when a config leaves ``feature_map`` unset.
+    ``default_feature_map`` is used when a config leaves ``feature_map`` unset; ``causal_only=True`` (an encoding that
+    decays with distance) makes bidirectional configs refuse it when built.
     """
     _check_new_name("positional encoding", name, POSITIONAL_ENCODING_REGISTRY, overwrite)
     if default_normalization is None:
@@ -167,6 +172,7 @@ def register_positional_encoding(
         supports_2d,
         query_key_dim,
         default_feature_map,
+        causal_only,
     )
 
 
