@@ -66,6 +66,17 @@ def test_python_m_lrpe_hf_lists_the_scripts():
     assert not result.stderr  # no warning on the way
 
 
+def test_python_m_lrpe_hf_lists_the_scripts_without_importing_the_training_stack():
+    """The list comes from the package alone: no script's module, no data or metric library (seconds, not tens)."""
+    check = (
+        "import runpy, sys; sys.argv = ['lrpe_hf', '--help']; runpy.run_module('lrpe_hf', run_name='__main__'); "
+        "print(sorted(m for m in ('lrpe_hf.training', 'datasets', 'evaluate', 'matplotlib') if m in sys.modules))"
+    )
+    result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.splitlines()[-1] == "[]"
+
+
 @pytest.mark.parametrize("module", [tokenizer, language_modeling, glue, image_classification, linearization])
 def test_script_help_is_grouped_and_explained(module):
     text = module.argument_parser().format_help()

@@ -1,10 +1,10 @@
 """Compare positional encodings: train the same model with each encoding (and baselines) under the same budget
 and seeds, through the run scripts' Trainer pipelines, and tabulate and plot the results.
 
-    python run_scripts/compare_encodings.py --preset lrpe_table2                      # a paper's comparison
-    python run_scripts/compare_encodings.py --task recall --encodings none,rope,lrpe_orthogonal,softmax:rope \
+    python -m lrpe_hf compare_encodings --preset lrpe_table2                      # a paper's comparison
+    python -m lrpe_hf compare_encodings --task recall --encodings none,rope,lrpe_orthogonal,softmax:rope \
         --seeds 3 --max_steps 300 --output_dir out/recall
-    python run_scripts/compare_encodings.py --task clm --encodings rope,permute --feature_maps elu,relu \
+    python -m lrpe_hf compare_encodings --task clm --encodings rope,permute --feature_maps elu,relu \
         --train_file my_train.txt --validation_file my_valid.txt --eval_lengths 256,512
 
 Encodings: any registered ``positional_encoding`` (``lrpe_hf.POSITIONAL_ENCODINGS``); ``sinusoidal`` and

@@ -75,7 +75,7 @@ def load_tokenizer(model_args, needed: list[str], purpose: str):
     name = model_args.tokenizer_name or model_args.model_name_or_path
     if not name:
         raise ValueError(
-            "Give --tokenizer_name (see run_scripts/train_tokenizer.py) or --model_name_or_path (a checkpoint that "
+            "Give --tokenizer_name (see python -m lrpe_hf train_tokenizer) or --model_name_or_path (a checkpoint that "
             "has a tokenizer)"
         )
     tokenizer = AutoTokenizer.from_pretrained(name)
@@ -83,6 +83,6 @@ def load_tokenizer(model_args, needed: list[str], purpose: str):
     if missing:
         raise ValueError(
             f"The tokenizer has no {', '.join(missing)}, which {purpose} needs; train one with "
-            "run_scripts/train_tokenizer.py or add the special tokens"
+            "python -m lrpe_hf train_tokenizer or add the special tokens"
         )
     return tokenizer

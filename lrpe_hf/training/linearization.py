@@ -1,6 +1,6 @@
 """Turn a pretrained GPT-2, RoBERTa, BERT or ViT checkpoint into a linear-attention model, in two stages.
 
-    python run_scripts/run_linearize.py --model_name_or_path gpt2 --positional_encoding lrpe_orthogonal \
+    python -m lrpe_hf run_linearize --model_name_or_path gpt2 --positional_encoding lrpe_orthogonal \
         --feature_map hedgehog --train_file data/wikipedia_leads/train.txt \
         --validation_file data/wikipedia_leads/validation.txt --output_dir out/linear-gpt2 --max_steps 1000
 

@@ -1,6 +1,6 @@
 """Train a byte-level BPE tokenizer with `tokenizers` and save it as a Transformers fast tokenizer.
 
-    python run_scripts/train_tokenizer.py --train_files data/wikipedia_leads/train.txt \
+    python -m lrpe_hf train_tokenizer --train_files data/wikipedia_leads/train.txt \
         --vocab_size 8192 --output_dir out/tokenizer
 
 The tokenizer carries the special tokens every family needs: <s> (bos/cls), </s> (eos/sep), <pad>, <unk> and
