@@ -9,8 +9,9 @@ The config fields choose the attention (default: the family's, ``lrpe_orthogonal
 - RoBERTa: positions start at ``padding_idx + 1``, so row p + padding_idx + 1 of the table becomes row p; the
   single token-type vector is folded into the position table (or, without absolute positions, into the token
   embeddings, with the masked-LM decoder untied so that it keeps the original word embeddings).
-- BERT: as RoBERTa without the offset; the token-type-0 vector is folded in (these models have one segment type);
-  the pooler (dense + tanh) becomes the sentence head's ``dense``.
+- BERT: as RoBERTa without the offset, but its segment embeddings (two types: the sentences of a pair) carry over
+  as they are (``type_vocab_size``), so its tokenizer's token_type_ids keep their meaning; the pooler (dense +
+  tanh) becomes the sentence head's ``dense``.
 - ViT: the class token and the position table over the class token and the patches carry over.
 """
 
@@ -270,7 +271,9 @@ def roberta_or_bert(source, fields):
     prefix = source.base_model_prefix + "."
     state = {k.removeprefix(prefix): v for k, v in base.items()}
     table = state["embeddings.position_embeddings.weight"][offset:]
-    segment = state["embeddings.token_type_embeddings.weight"][0]
+    segments = state["embeddings.token_type_embeddings.weight"]
+    # one segment type (RoBERTa): its vector is folded into the positions or the words; more (BERT): kept as a table
+    segment = segments[0] if segments.shape[0] == 1 else 0
     config = LinearRobertaConfig(
         **{
             "vocab_size": c.vocab_size,
@@ -285,6 +288,7 @@ def roberta_or_bert(source, fields):
             "classifier_dropout": getattr(c, "classifier_dropout", None),
             "initializer_range": c.initializer_range,
             "absolute_position_embedding": "learned",
+            "type_vocab_size": segments.shape[0],
             **token_and_label_fields(c),
             **fields,
         }
@@ -294,9 +298,13 @@ def roberta_or_bert(source, fields):
     if config.absolute_position_embedding == "learned":
         weights["model.position_embedding.tables.0.weight"] = table + segment
         weights["model.embed_tokens.weight"] = words
-    else:  # no table to fold the segment vector into: the token embeddings take it, the decoder keeps the words
+    elif segments.shape[0] == 1:  # no table to fold the segment vector into: the words take it, the decoder not
         weights["model.embed_tokens.weight"] = words + segment
         config.tie_word_embeddings = False
+    else:
+        weights["model.embed_tokens.weight"] = words
+    if segments.shape[0] > 1:
+        weights["model.token_type_embeddings.weight"] = segments
     layer_norm(weights, "model.embedding_norm", state, "embeddings.LayerNorm")
     for i in range(c.num_hidden_layers):
         s, t = f"encoder.layer.{i}", f"model.stack.layers.{i}"

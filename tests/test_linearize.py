@@ -38,7 +38,8 @@ def gpt2(model_class=GPT2LMHeadModel):
 
 
 def roberta(model_class, num_labels=3):
-    return model_class(RobertaConfig(**TEXT, max_position_embeddings=26, pad_token_id=1, num_labels=num_labels))
+    config = RobertaConfig(**TEXT, max_position_embeddings=26, pad_token_id=1, num_labels=num_labels, type_vocab_size=1)
+    return model_class(config)  # one segment type, as RoBERTa's checkpoints (transformers' default config has 2)
 
 
 def bert(model_class):
@@ -102,6 +103,28 @@ def test_softmax_conversion_of_text_models_is_exact(case):
     assert type(converted) is target_class
     inputs = text_inputs(pad, padded=not case.startswith("gpt2"))  # GPT-2 ignores padding when placing positions
     assert_same_outputs(original, converted, inputs, inputs["attention_mask"])
+
+
+@pytest.mark.parametrize("model_class", [BertForMaskedLM, BertForSequenceClassification])
+def test_a_linearized_bert_reads_sentence_pairs_as_bert_does(model_class, tmp_path):
+    """BERT's tokenizer gives the second sentence of a pair token type 1: the segment table carries over, so the
+    converted model computes what BERT does on pairs, saved and loaded again too."""
+    torch.manual_seed(0)
+    original = bert(model_class)
+    converted = lrpe_hf.linearize(original, **EXACT)
+    assert converted.config.type_vocab_size == 2
+    inputs = text_inputs(0)
+    inputs["token_type_ids"] = torch.zeros_like(inputs["input_ids"])
+    inputs["token_type_ids"][:, 4:] = 1
+    assert_same_outputs(original, converted, inputs, inputs["attention_mask"])
+    with torch.no_grad():  # the segments are read: type 0 throughout gives other hidden states
+        pairs = converted.model(**inputs).last_hidden_state
+        one_segment = converted.model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"])
+    assert (one_segment.last_hidden_state - pairs).abs().max() > 1e-2
+    converted.save_pretrained(tmp_path)
+    assert_same_outputs(original, type(converted).from_pretrained(tmp_path), inputs, inputs["attention_mask"])
+    with pytest.raises(ValueError, match=r"token_type_ids must lie in \[0, 2\)"):
+        converted(input_ids=inputs["input_ids"], token_type_ids=torch.full_like(inputs["input_ids"], 2))
 
 
 @pytest.mark.parametrize("qkv_bias", [True, False])
@@ -184,7 +207,7 @@ def test_the_learned_table_is_extended_only_when_asked_and_never_wrapped():
     torch.manual_seed(0)
     teacher = bert(BertForMaskedLM)
     T = teacher.config.max_position_embeddings
-    table = teacher.bert.embeddings.position_embeddings.weight + teacher.bert.embeddings.token_type_embeddings.weight[0]
+    table = teacher.bert.embeddings.position_embeddings.weight  # BERT's segment table carries over apart
     with pytest.raises(
         ValueError, match="table_extension .'copy' or 'interpolate'.*absolute_position_embedding='none'"
     ):

@@ -231,6 +231,58 @@ def test_glue_style_fine_tuning_on_embedded_tasks(mlm_checkpoint, workspace, tas
     assert "pipeline_tag: text-classification" in (out / "README.md").read_text()
 
 
+def save_with_a_bert_tokenizer(folder, model_class, **fields):
+    """A random 2 x 32 sequence classifier (BERT, or a LinearRoberta) saved beside a WordPiece BERT tokenizer trained
+    on the Wikipedia leads, which gives a pair's second sentence token type 1."""
+    from tokenizers import BertWordPieceTokenizer
+    from transformers import BertTokenizerFast
+
+    wordpiece = BertWordPieceTokenizer(lowercase=True)
+    wordpiece.train(
+        [str(ROOT / "data/wikipedia_leads/train.txt")], vocab_size=500,
+        special_tokens=["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"], show_progress=False,
+    )  # fmt: skip
+    tokenizer = BertTokenizerFast(tokenizer_object=wordpiece)
+    torch.manual_seed(0)
+    sizes = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, num_labels=2)
+    model_class(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, **sizes, **fields).save_pretrained(
+        folder
+    )
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_a_linearized_bert_fine_tunes_on_sentence_pairs(workspace):
+    """run_glue on the embedded pair task with a BERT converted by linearize (its tokenizer gives token types 0 and
+    1): the segment embeddings carry over and it trains; a model without them stops before training, naming why."""
+    import lrpe_hf
+    from transformers import BertConfig, BertForSequenceClassification
+
+    def make_bert(**config):
+        return BertForSequenceClassification(BertConfig(**config))
+
+    def make_linear(**config):
+        return lrpe_hf.LinearRobertaForSequenceClassification(lrpe_hf.LinearRobertaConfig(**config))
+
+    bert = save_with_a_bert_tokenizer(workspace / "bert-pairs", make_bert)
+    linear = workspace / "bert-pairs-linear"
+    lrpe_hf.linearize(str(bert)).save_pretrained(linear)
+    AutoTokenizer.from_pretrained(bert).save_pretrained(linear)
+    arguments = [
+        "--train_file", str(ROOT / "data/wikipedia_topic_pairs/train.csv"),
+        "--validation_file", str(ROOT / "data/wikipedia_topic_pairs/validation.csv"),
+        "--max_train_samples", "32", "--max_eval_samples", "16", "--max_seq_length", "48", "--max_steps", "2",
+        "--per_device_train_batch_size", "8", *QUIET,
+    ]  # fmt: skip
+    out = workspace / "bert-pairs-out"
+    metrics = run_glue.main(["--model_name_or_path", str(linear), "--output_dir", str(out), *arguments])
+    assert 0.0 <= metrics["eval_accuracy"] <= 1.0
+    assert json.loads((out / "config.json").read_text())["type_vocab_size"] == 2
+    one_segment = save_with_a_bert_tokenizer(workspace / "one-segment", make_linear)
+    with pytest.raises(ValueError, match="token_type_ids up to 1, and the model has type_vocab_size=1"):
+        run_glue.main(["--model_name_or_path", str(one_segment), "--output_dir", str(workspace / "x"), *arguments])
+
+
 def test_regression_labels(mlm_checkpoint, workspace):
     rows = ["sentence1,sentence2,label"] + [f"a cat {i},a dog {i},{i / 10}" for i in range(20)]
     (workspace / "regression.csv").write_text("\n".join(rows) + "\n")

@@ -13,6 +13,9 @@ class LinearRobertaConfig(LinearAttentionConfig):
         hidden_dropout_prob, layer_norm_eps, initializer_range: as in RoBERTa.
         embedding_multiplier: token embeddings are multiplied by it (1 in RoBERTa; fairseq uses sqrt(hidden_size)).
         classifier_dropout: dropout of the classification heads (default: hidden_dropout_prob).
+        type_vocab_size: segment types. 1 (RoBERTa): no segment embedding, token_type_ids all zeros or left out, the
+            sentences of a pair told apart by separators; 2 or more (BERT, and a BERT linearized by ``linearize``):
+            a learned embedding per segment type, added to the tokens'.
         The attention fields are documented in ``LinearAttentionConfig``.
     """
 
@@ -31,6 +34,14 @@ class LinearRobertaConfig(LinearAttentionConfig):
     initializer_range: float = 0.02
     tie_word_embeddings: bool = True
     embedding_multiplier: float = 1.0
+    type_vocab_size: int = 1
     pad_token_id: int | None = 1
     bos_token_id: int | None = 0
     eos_token_id: int | None = 2
+
+    def __post_init__(self, **kwargs):
+        super().__post_init__(**kwargs)
+        if not isinstance(self.type_vocab_size, int) or self.type_vocab_size < 1:
+            raise ValueError(
+                f"type_vocab_size must be a positive integer (1: no segment embedding), got {self.type_vocab_size!r}"
+            )

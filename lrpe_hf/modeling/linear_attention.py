@@ -109,7 +109,9 @@ class LinearAttention(nn.Module):
         self.attention = ATTENTION_PATHS[o.attention](o, self.head_dim, query_key_dim)
         feature_dim = getattr(self.attention, "feature_dim", query_key_dim)
         self.positional_encoding = build_positional_encoding(o, num_heads, self.head_dim, feature_dim)
-        if not o.causal and self.positional_encoding.log_decay is not None:
+        encoding_tensors = [*self.positional_encoding.parameters(), *self.positional_encoding.buffers()]
+        built = not any(t.is_meta for t in encoding_tensors)  # on the meta device there is nothing to read yet
+        if not o.causal and built and self.positional_encoding.log_decay is not None:
             raise ValueError(
                 f"positional_encoding={o.positional_encoding!r} decays with distance (it has a log_decay): it is for "
                 "causal attention only (LinearGPT, or LinearAttention(causal=True)); register it with "

@@ -28,7 +28,7 @@ from .positions import (
     mask_as_bool,
 )
 from .transformer_layer import Dropout
-from .transformer_stack import LinearPreTrainedModel, LinearTransformerStack, check_single_segment
+from .transformer_stack import LinearPreTrainedModel, LinearTransformerStack, check_segments
 from .weight_layout import lay_out_for_one_row_products
 
 
@@ -94,7 +94,7 @@ class LinearGPTModel(LinearGPTPreTrainedModel):
         starts from an empty cache."""
         past_key_values = take_cache(kwargs, past_key_values=past_key_values, cache=cache)
         check_extra_arguments(self, kwargs)
-        check_single_segment(token_type_ids)
+        check_segments(token_type_ids)
         position_ids = given_position_ids(position_ids)
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of input_ids and inputs_embeds")

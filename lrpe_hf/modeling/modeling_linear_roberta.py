@@ -23,7 +23,7 @@ from .label_checks import check_sequence_labels, check_token_labels
 from .positional_absolute import build_absolute_position_embedding
 from .positions import default_position_ids, first_real_tokens, given_position_ids, mask_as_bool
 from .transformer_layer import Dropout
-from .transformer_stack import LinearPreTrainedModel, LinearTransformerStack, check_single_segment
+from .transformer_stack import LinearPreTrainedModel, LinearTransformerStack, check_segments
 
 
 class LinearRobertaPreTrainedModel(LinearPreTrainedModel):
@@ -41,6 +41,10 @@ class LinearRobertaModel(LinearRobertaPreTrainedModel):
             config.hidden_size,
             config.max_position_embeddings,
             token_std=config.initializer_range * config.embedding_multiplier,
+        )
+        # BERT's segment embedding; with one segment type (RoBERTa) there is none
+        self.token_type_embeddings = (
+            nn.Embedding(config.type_vocab_size, config.hidden_size) if config.type_vocab_size > 1 else None
         )
         self.embedding_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.dropout = Dropout(config.hidden_dropout_prob)
@@ -69,7 +73,7 @@ class LinearRobertaModel(LinearRobertaPreTrainedModel):
         ``output_attentions``: every layer's attention weights (B, H, N, N), computed by probing the layer (O(N^2),
         for analysis)."""
         check_extra_arguments(self, kwargs)
-        check_single_segment(token_type_ids)
+        check_segments(token_type_ids, self.config.type_vocab_size)
         position_ids = given_position_ids(position_ids)
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of input_ids and inputs_embeds")
@@ -87,6 +91,10 @@ class LinearRobertaModel(LinearRobertaPreTrainedModel):
             position_ids = default_position_ids(mask, batch_size, num_tokens, hidden_states.device)
         if self.position_embedding is not None:
             hidden_states = hidden_states + self.position_embedding(position_ids).to(hidden_states.dtype)
+        if self.token_type_embeddings is not None:
+            if token_type_ids is None:
+                token_type_ids = torch.zeros(batch_size, num_tokens, dtype=torch.long, device=hidden_states.device)
+            hidden_states = hidden_states + self.token_type_embeddings(token_type_ids).to(hidden_states.dtype)
         hidden_states = self.dropout(self.embedding_norm(hidden_states))
         hidden_states, all_hidden_states, all_attentions = self.stack(
             hidden_states, mask, position_ids, None, output_hidden_states, given_positions, output_attentions

@@ -11,7 +11,7 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers import initialization as init
 
-from .positions import find_documents
+from .positions import check_values, find_documents
 from .registry import positional_encoding_entry
 from .reinitialisable import Reinitialisable
 from .softmax_attention import IMPLEMENTATIONS
@@ -91,13 +91,21 @@ class LinearTransformerStack(nn.Module):
         return hidden_states, all_hidden_states, all_attentions
 
 
-def check_single_segment(token_type_ids):
-    """The text models have one segment type (as RoBERTa): all-zero token_type_ids are accepted, others refused."""
-    if token_type_ids is not None and bool(token_type_ids.ne(0).any()):
+def check_segments(token_type_ids, type_vocab_size: int = 1):
+    """token_type_ids (B, N) must name one of the model's ``type_vocab_size`` segment types. With one (RoBERTa,
+    LinearGPT) the model has no segment embedding: all-zero token_type_ids are accepted, others refused."""
+    if token_type_ids is None:
+        return
+    if type_vocab_size == 1 and bool(token_type_ids.ne(0).any()):
         raise ValueError(
-            "These models have no token type embeddings (one segment type, as RoBERTa): token_type_ids must be "
-            "all zeros or left out; sentence pairs are told apart by the separator tokens"
+            "This model has no token type embeddings (one segment type, as RoBERTa): token_type_ids must be all zeros "
+            "or left out; sentence pairs are told apart by the separator tokens. A tokenizer that gives the second "
+            "sentence token type 1 (BERT's) needs a model with type_vocab_size=2 (as linearize makes from BERT)"
         )
+    check_values(
+        (token_type_ids >= 0) & (token_type_ids < type_vocab_size),
+        f"token_type_ids must lie in [0, {type_vocab_size}) (the model's type_vocab_size)",
+    )
 
 
 class LinearPreTrainedModel(PreTrainedModel):

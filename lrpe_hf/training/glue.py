@@ -79,6 +79,20 @@ def argument_parser() -> HfArgumentParser:
     return HfArgumentParser((ModelArguments, GlueDataArguments, TrainingArguments))
 
 
+def check_segment_types(datasets, type_vocab_size: int, tokenizer):
+    """Stop before training where the tokenizer gives token types (BERT's: 1 for a pair's second sentence) that the
+    model has no embedding for (RoBERTa's layout has one segment type)."""
+    typed = [data["token_type_ids"] for data in datasets if data is not None and "token_type_ids" in data.column_names]
+    highest = max((max(map(max, rows), default=0) for rows in typed), default=0)
+    if highest >= type_vocab_size:
+        raise ValueError(
+            f"The tokenizer ({type(tokenizer).__name__}) gives token_type_ids up to {highest}, and the model has "
+            f"type_vocab_size={type_vocab_size}: its segment embeddings cannot read them. Use a tokenizer of the "
+            "model's own layout (RoBERTa's separates a pair by tokens alone), or a model with segment types (a BERT "
+            "converted by run_linearize keeps them; a new model takes --config_overrides '{\"type_vocab_size\": 2}')"
+        )
+
+
 def main(args=None):
     return run(*parse_script_arguments(argument_parser(), args))
 
@@ -151,6 +165,7 @@ def run(model_args, data_args, training_args, trainer_class=CardTrainer):
         encoded = dataset.map(preprocess, batched=True, remove_columns=dataset["train"].column_names, desc="Tokenizing")
     train = select_samples(encoded["train"], data_args.max_train_samples)
     evaluation = select_samples(encoded.get("validation"), data_args.max_eval_samples)
+    check_segment_types([train, evaluation], getattr(model.config, "type_vocab_size", 1), tokenizer)
 
     metric = load_glue_metric(data_args.task_name or ("regression" if is_regression else None))
 
