@@ -96,6 +96,8 @@ def test_clm_training(workspace):
             "64",
             "--max_steps",
             "4",
+            "--logging_steps",
+            "3",
             "--per_device_train_batch_size",
             "4",
             "--output_dir",
@@ -168,7 +170,9 @@ def check_card_against_trainer_state(out: Path):
     assert f"Trained for {state['global_step']} steps ({state['epoch']:.4g} epochs" in card
     assert f"{state['num_input_tokens_seen']:,} tokens seen" in card and state["num_input_tokens_seen"] > 0
     assert f"in {summary['train_runtime']:.1f} s on CPU" in card
-    assert f"final training loss {summary['train_loss']:.4f}" in card
+    last = [entry for entry in state["log_history"] if "loss" in entry][-1]
+    assert f"the last logged training loss {last['loss']:.4f} (step {last['step']})" in card
+    assert f"the training loss averaged over the run {summary['train_loss']:.4f}" in card
     evaluations = [entry for entry in state["log_history"] if "eval_loss" in entry]
     table = card.split("### Evaluations")[1].split("![")[0]
     assert table.count("\n|") == 2 + len(evaluations)  # header, rule and one row per evaluation
@@ -336,6 +340,29 @@ def test_image_classification_on_fashion_mnist(workspace):
     )
     config = json.loads((out / "config.json").read_text())
     assert "ankle_boot" in config["id2label"].values()
+
+
+def test_a_grey_scale_models_card_snippet_classifies_an_image(workspace):
+    """The pipeline converts images to RGB, which a one-channel model cannot read: its card calls the image
+    processor on the grey image, and the snippet runs as written (remote code, without lrpe_hf) and prints a
+    label."""
+    out = workspace / "fashion_grey"
+    run_image_classification.main(
+        [
+            "--data_dir", str(ROOT / "data/fashion_mnist"), "--image_size", "28", "--patch_size", "7",
+            "--num_channels", "1", *TINY, "--max_train_samples", "32", "--max_eval_samples", "16", "--max_steps", "2",
+            "--per_device_train_batch_size", "16", "--output_dir", str(out), *QUIET,
+        ]
+    )  # fmt: skip
+    image = next((ROOT / "data/fashion_mnist/validation").glob("*/*.png"))
+    shutil.copy(image, workspace / "image.png")
+    result = subprocess.run(
+        [sys.executable, "-c", card_snippet(out)], capture_output=True, text=True, stdin=subprocess.DEVNULL,
+        env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"}, cwd=workspace,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    labels = json.loads((out / "config.json").read_text())["id2label"].values()
+    assert result.stdout.strip().splitlines()[-1] in labels
 
 
 @pytest.mark.parametrize(

@@ -40,9 +40,23 @@ classify = pipeline("image-classification", model="{model_id}", trust_remote_cod
 print(classify(Image.open("image.png")))""",
 }
 
+# A grey-scale model: the pipeline converts every image to RGB, so the card calls the image processor itself.
+GREY_IMAGE_USAGE = """\
+import torch
+from PIL import Image
+from transformers import AutoImageProcessor, AutoModelForImageClassification
 
-def usage_snippet(pipeline_tag: str, model_id: str) -> str:
-    return f"```python\n{USAGE[pipeline_tag].format(model_id=model_id)}\n```"
+processor = AutoImageProcessor.from_pretrained("{model_id}", trust_remote_code=True)
+model = AutoModelForImageClassification.from_pretrained("{model_id}", trust_remote_code=True)
+inputs = processor(Image.open("image.png").convert("L"), return_tensors="pt")  # one channel, as the model reads
+with torch.no_grad():
+    print(model.config.id2label[model(**inputs).logits.argmax(-1).item()])"""
+
+
+def usage_snippet(pipeline_tag: str, model_id: str, config) -> str:
+    grey = pipeline_tag == "image-classification" and getattr(config, "num_channels", 3) == 1
+    snippet = GREY_IMAGE_USAGE if grey else USAGE[pipeline_tag]
+    return f"```python\n{snippet.format(model_id=model_id)}\n```"
 
 
 def results_table(metrics: dict) -> str:
@@ -103,10 +117,12 @@ def training_section(trainer, data_description: str) -> str:
         done = "This run did not train (evaluation only)."
     else:
         tokens = f", {state.num_input_tokens_seen:,} tokens seen" if state.num_input_tokens_seen else ""
+        last = next((entry for entry in reversed(state.log_history) if "loss" in entry), None)
+        final = f"the last logged training loss {last['loss']:.4f} (step {last['step']}), " if last else ""
         done = (
             f"Trained for {state.global_step} steps ({state.epoch:.4g} epochs{tokens}) in "
-            f"{summary['train_runtime']:.1f} s on {hardware(args.world_size)}; final training loss "
-            f"{summary['train_loss']:.4f}."
+            f"{summary['train_runtime']:.1f} s on {hardware(args.world_size)}; {final}the training loss averaged "
+            f"over the run {summary['train_loss']:.4f}."
         )
     hyperparameters = "\n".join(
         f"- {name}: {value}" for name, value in extract_hyperparameters_from_trainer(trainer).items()
@@ -171,7 +187,7 @@ def write_model_card(
         model_id=model_id,
         task_description=task_description,
         auto_class=auto_class,
-        usage=usage_snippet(pipeline_tag, model_id),
+        usage=usage_snippet(pipeline_tag, model_id, config),
         family=type(config).__name__.removesuffix("Config"),
         auto_classes=", ".join(f"`{name}`" for name in FAMILIES[type(config)]),
         positional_encoding=config.positional_encoding,
