@@ -4,7 +4,7 @@ VENV ?= .venv
 PYTHON := $(VENV)/bin/python
 OUT ?= out/demo
 
-.PHONY: install demo reproduce test harness test-compat test-triton lock benchmark clean
+.PHONY: install demo reproduce test harness test-compat test-triton test-wheel lock benchmark clean
 
 # The default environment: exact versions from the lock file (`make lock` regenerates it on purpose), so that a green
 # `make test` means the same thing on any day.
@@ -96,6 +96,19 @@ test-compat: .venv-oldest/.installed
 		.venv-$$end/bin/python tests/fetch_transformers_harness.py || exit 1; \
 		.venv-$$end/bin/python -m pytest -q -p no:cacheprovider $(COMPAT_TESTS) || exit 1; \
 	done
+
+# Installed as Python users install it: a wheel built from this checkout (as `pip install .` builds one) goes with its
+# `train` extra into a fresh environment (torch's CPU wheel first), where tests/installed_package_check.py runs from
+# outside the checkout: tiny models of each family, the package data, `python -m lrpe_hf --help` and a script's help.
+WHEEL_VENV := .venv-wheel
+
+test-wheel: install
+	rm -rf dist $(WHEEL_VENV)
+	$(PYTHON) -m pip wheel --quiet --no-deps --wheel-dir dist .
+	$(PYTHON_BASE) -m venv $(WHEEL_VENV)
+	$(WHEEL_VENV)/bin/python -m pip install --quiet $(TORCH)
+	$(WHEEL_VENV)/bin/python -m pip install --quiet "$$(ls dist/lrpe_hf-*.whl)[train]"
+	cd /tmp && $(CURDIR)/$(WHEEL_VENV)/bin/python $(CURDIR)/tests/installed_package_check.py
 
 # fla's real Triton kernels on the CPU, under Triton's interpreter: Triton and fla-core at the versions below, installed
 # with pip --target beside the default environment (first on PYTHONPATH, so .venv itself stays as the lock says), run
