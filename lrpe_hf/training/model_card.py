@@ -40,13 +40,14 @@ classify = pipeline("image-classification", model="{model_id}", trust_remote_cod
 print(classify(Image.open("image.png")))""",
 }
 
-# A grey-scale model: the pipeline converts every image to RGB, so the card calls the image processor itself.
+# A grey-scale model: the pipeline converts every image to RGB, so the card calls the image processor itself (its
+# Pillow backend, which older transformers releases, whose AutoImageProcessor wants torchvision, load too).
 GREY_IMAGE_USAGE = """\
 import torch
 from PIL import Image
-from transformers import AutoImageProcessor, AutoModelForImageClassification
+from transformers import AutoModelForImageClassification, ViTImageProcessorPil
 
-processor = AutoImageProcessor.from_pretrained("{model_id}", trust_remote_code=True)
+processor = ViTImageProcessorPil.from_pretrained("{model_id}")
 model = AutoModelForImageClassification.from_pretrained("{model_id}", trust_remote_code=True)
 inputs = processor(Image.open("image.png").convert("L"), return_tensors="pt")  # one channel, as the model reads
 with torch.no_grad():
