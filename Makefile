@@ -4,7 +4,7 @@ VENV ?= .venv
 PYTHON := $(VENV)/bin/python
 OUT ?= out/demo
 
-.PHONY: install demo reproduce test harness test-compat test-triton test-wheel lock benchmark clean
+.PHONY: install demo reproduce test harness test-compat test-triton test-wheel gpu-check gpu-check-dry-run lock benchmark clean
 
 # The default environment: exact versions from the lock file (`make lock` regenerates it on purpose), so that a green
 # `make test` means the same thing on any day.
@@ -124,6 +124,20 @@ $(TRITON_TARGET)/.installed: Makefile $(VENV)/.installed
 
 test-triton: $(TRITON_TARGET)/.installed
 	TRITON_INTERPRET=1 PYTHONPATH=$(TRITON_TARGET) $(PYTHON) -m pytest -q -p no:cacheprovider tests/test_triton_adapter.py
+
+# The GPU check (benchmarks/gpu_check.py): on a machine with a CUDA GPU, its own Python (GPU_PYTHON) with torch,
+# transformers and accelerate, and fla-core (`pip install ".[gpu]"`, or its wheel unpacked on PYTHONPATH), from this
+# working tree. Writes $(GPU_OUT)/ and packs it into $(GPU_OUT)/gpu_check.tar.gz; under 8 minutes on one H100.
+# gpu-check-dry-run is its rehearsal on the CPU at tiny sizes (the tests run it too).
+GPU_PYTHON ?= python3
+GPU_OUT ?= out/gpu_check
+
+gpu-check:
+	GPU_CHECK_COMMIT=$$(git rev-parse HEAD 2>/dev/null) PYTHONPATH=$(CURDIR):$$PYTHONPATH $(GPU_PYTHON) \
+		benchmarks/gpu_check.py --out $(GPU_OUT)
+
+gpu-check-dry-run: install
+	$(PYTHON) benchmarks/gpu_check.py --dry-run --out $(GPU_OUT)-dry-run
 
 # Regenerate the lock file from what pip resolves today (then run `make test` and commit both).
 lock:

@@ -4,7 +4,6 @@ import pytest
 import torch
 
 from lrpe_hf import LinearAttention
-from lrpe_hf.training import tokenizer as train_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -57,6 +56,8 @@ QUIET = ["--report_to", "none", "--disable_tqdm", "true", "--save_strategy", "no
 @pytest.fixture(scope="session")
 def workspace(tmp_path_factory):
     """A small corpus cut from the embedded Wikipedia leads and a tokenizer trained on it."""
+    from lrpe_hf.training import tokenizer as train_tokenizer  # here: the GPU tests run without the train extra
+
     folder = tmp_path_factory.mktemp("scripts")
     lines = (ROOT / "data/wikipedia_leads/train.txt").read_text(encoding="utf-8").splitlines()
     (folder / "train.txt").write_text("\n".join(lines[:300]) + "\n", encoding="utf-8")

@@ -5,6 +5,7 @@ import datetime
 import importlib
 import json
 import math
+import os
 import re
 import statistics
 import subprocess
@@ -14,6 +15,8 @@ from pathlib import Path
 import torch
 import transformers
 from conftest import save_tiny_bert
+
+import lrpe_hf
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
@@ -183,3 +186,31 @@ def test_one_row_products_times_both_layouts_of_the_same_shapes_and_writes_its_r
     assert float(row["low"]) <= float(row["ratio"]) <= float(row["high"])
     record = json.loads((tmp_path / "one_row_products.json").read_text())
     assert record["written_by"] == "benchmarks/one_row_products.py" and record["files"] == ["one_row_products.csv"]
+
+
+def test_the_gpu_check_rehearses_every_part_on_the_cpu(tmp_path):
+    """benchmarks/gpu_check.py --dry-run: every part runs at tiny sizes, without the train extra's packages, so that
+    a GPU's minutes never go to an import error or a typo; compiled decoding is one graph a call, with no break."""
+    blocked = tmp_path / "without_the_train_extra"  # as on a GPU machine with torch and transformers alone
+    blocked.mkdir()
+    (blocked / "sitecustomize.py").write_text(
+        "import sys\nfor name in ('datasets', 'evaluate', 'rotary_embedding_torch', 'parameterized'):\n"
+        "    sys.modules[name] = None\n"
+    )
+    command = [sys.executable, str(BENCHMARKS / "gpu_check.py"), "--dry-run", "--out", str(tmp_path / "out")]
+    environment = {**os.environ, "PYTHONPATH": str(blocked)}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=900, env=environment)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    out = tmp_path / "out"
+    record = json.loads((out / "record.json").read_text())
+    assert record["dry_run"] and all(part["status"] == "ok" for part in record["parts"].values())
+    assert set(record["parts"]) == {"pytest", "train_steps", "families", "decoding", "attention", "models"}
+    with open(out / "train_steps.csv") as f:
+        steps = list(csv.DictReader(f))
+    cases = {(row["encoding"], row["feature_map"]) for row in steps}
+    assert len(cases) == len(lrpe_hf.POSITIONAL_ENCODINGS) + 3 and len(steps) == 4 * len(cases)  # fp32/bf16 x padded/packed
+    assert all(row["finite"] == "True" and float(row["gradient_cosine"]) > 0.999 for row in steps)
+    with open(out / "decoding.csv") as f:
+        (decoding,) = list(csv.DictReader(f))
+    assert decoding["same_tokens"] == "True" and decoding["graph_breaks"] == "0" and decoding["recompilations"] == "0"
+    assert (out / "gpu_check.tar.gz").stat().st_size > 0

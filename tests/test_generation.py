@@ -461,3 +461,22 @@ def test_training_after_inference_mode_decoding_works_and_matches_a_fresh_model(
     torch.testing.assert_close(losses[0], losses[1], rtol=0, atol=0)
     for (name, p), q in zip(model.named_parameters(), fresh.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("encoding", ["none", "lrpe_orthogonal", "permute"])
+def test_generate_with_a_compiled_forward_breaks_no_graph(encoding):
+    """model.forward compiled, as a user does before generate: the prefill and the steps are one graph each, with
+    no graph break (the in-place feature map's write into a strided view, and the state's question about inference
+    mode, each broke the prefill's graph) and no recompilation; the tokens are eager's."""
+    from torch._dynamo.utils import counters
+
+    model = model_with(encoding)
+    ids = prompt(batch=1)
+    eager = model.generate(ids, max_new_tokens=5, do_sample=False)
+    torch._dynamo.reset()
+    counters.clear()
+    model.forward = torch.compile(model.forward)
+    compiled = model.generate(ids, max_new_tokens=5, do_sample=False)
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] == 2 and not counters["recompiles"]
+    assert torch.equal(compiled, eager)

@@ -38,9 +38,12 @@ class TensorState:
         ):
             current.copy_(value)
         else:
-            # torch.inference_mode tracks no views (``_base`` is None there), so what it made is copied too
-            value = value.clone() if value._base is not None or torch.is_inference_mode_enabled() else value
-            if not torch.compiler.is_compiling():
+            # torch.inference_mode tracks no views (``_base`` is None there), so what it made is copied too; a
+            # compiled call (which cannot ask for inference mode without breaking its graph) copies always
+            compiling = torch.compiler.is_compiling()
+            copied = compiling or value._base is not None or torch.is_inference_mode_enabled()
+            value = value.clone() if copied else value
+            if not compiling:
                 torch._dynamo.mark_static_address(value)
             setattr(self, name, value)
 

@@ -64,8 +64,10 @@ class FeatureMap(Reinitialisable):
         """phi(q), phi(k) with padded keys (``mask`` (B, N) bool, False = padding) zeroed. ``documents`` (B, N)
         numbers the documents of a packed row (0 continues the previous call's), or is None. ``reuse_inputs``:
         q and k are the caller's temporaries, which the map may overwrite (``in_place``) when no gradient is
-        wanted: two full-size allocations fewer in evaluation and decoding."""
-        phi = self.in_place if reuse_inputs and not wants_gradient(q, k) else self
+        wanted: two full-size allocations fewer in evaluation and decoding. Not while compiling: the compiler plans
+        the buffers itself, and a write into a strided view of the projections breaks its graph."""
+        in_place = reuse_inputs and not wants_gradient(q, k) and not torch.compiler.is_compiling()
+        phi = self.in_place if in_place else self
         fk = phi(k)
         if mask is not None:
             fk = fk.masked_fill(~mask[:, None, :, None], 0.0)

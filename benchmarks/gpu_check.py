@@ -1,0 +1,331 @@
+"""The GPU check: correctness of fla's path against the torch path on the same GPU, then speed and memory side by
+side, in one command that stays under about 8 minutes on one H100 and writes everything under one folder.
+
+    make gpu-check                                                   # on a CUDA machine: out/gpu_check/
+    python benchmarks/gpu_check.py --dry-run --out out/gpu_check_dry # the rehearsal: CPU, tiny sizes (CI runs it)
+
+Parts, each with its own time limit, each recorded as it ends (a part that fails or runs out of time leaves its
+error and the others still run):
+
+1. ``pytest -m gpu``: the GPU tests (tests/test_properties.py, tests/test_triton_adapter.py).
+2. ``train_steps.csv``: a LinearGPT train step (2 x 256, 4 heads, 1,024 tokens, batch 2) for every encoding, and
+   the exp, relu and hedgehog maps once each, in fp32 and under bf16 autocast, on padded rows and on packed rows
+   (restarting position_ids): ``kernel_backend="auto"`` (fla's kernels where they run) against ``"torch"`` with
+   the same weights and batch: the losses' relative difference, the gradients' cosine similarity and relative
+   error, finiteness, and how many causal products went to fla's kernels (``fla_calls``: 0 means the torch path
+   ran, as it does for gated backward passes on Hopper with Triton < 3.7.1).
+3. ``families.csv``: LinearRoberta and LinearViT forward+backward under bf16 autocast, finite.
+4. ``decoding.csv``: 64 greedy tokens from ``generate`` eager and with the forward compiled
+   (``mode="reduce-overhead"``, CUDA graphs on a GPU): the same tokens, the largest logit difference, the graphs
+   and recompilations dynamo counted, and ms per token of each (after a warm-up call). The cache is not
+   compileable (``LinearAttentionCache.is_compileable`` is False), so transformers' own compiled decoding does not
+   apply; this is the compiled path a user takes.
+5. ``benchmarks/benchmark_attention.py`` (bf16, causal, 4k/16k/32k, none, rope, lrpe_orthogonal, permute, fastrpb,
+   spe_sine): each layer against its projections, fla's kernel alone and SDPA's softmax layer.
+6. ``benchmarks/benchmark_models.py`` (bf16): LinearGPT against GPT-2 (SDPA), training at 2k/8k/32k (GPT-2 up
+   to 8k), decoding at 256, 4k and 64k context, eager and as CUDA graphs, peak memory.
+
+``record.json`` holds the device, driver, versions (torch, Triton, fla-core, transformers), the commit (``--commit``
+or ``GPU_CHECK_COMMIT``: the machine's copy of the tree may have no git history), the command and each part's
+status and seconds. Everything is packed into ``gpu_check.tar.gz`` beside the folder's files, one file to bring
+back.
+"""
+
+import argparse
+import csv
+import importlib.metadata
+import json
+import os
+import platform
+import subprocess
+import sys
+import tarfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+import lrpe_hf
+from lrpe_hf.modeling import attention_kernels
+
+ROOT = Path(__file__).resolve().parents[1]
+MAPS_ONCE = ("exp", "relu", "hedgehog")  # with the none encoding; every encoding runs with its default map
+SPEED_ENCODINGS = ["none", "rope", "lrpe_orthogonal", "permute", "fastrpb", "spe_sine"]
+
+
+def sizes(dry_run: bool) -> dict:
+    """The sizes of every part: the GPU's, or the rehearsal's (CPU, seconds)."""
+    if dry_run:
+        return dict(
+            device="cpu", tokens=96, hidden=32, layers=1, heads=2, new_tokens=4, decoding=["none"],
+            attention=["--lengths", "64", "--reps", "1", "--encodings", "none", "rope"],
+            models=["--lengths", "64", "--contexts", "32", "--batch-contexts", "--reps", "1", "--encodings", "none",
+                    "none+compile", "--gpt2-max", "64"],
+            limits=dict(pytest=300, train_steps=300, families=120, decoding=300, attention=300, models=300),
+        )  # fmt: skip
+    return dict(
+        device="cuda", tokens=1024, hidden=256, layers=2, heads=4, new_tokens=64,
+        decoding=["none", "lrpe_orthogonal", "permute"],
+        attention=["--lengths", "4096", "16384", "32768", "--reps", "3", "--encodings", *SPEED_ENCODINGS,
+                   "--modes", "causal", "--softmax-max", "32768"],
+        models=["--lengths", "2048", "8192", "32768", "--contexts", "256", "4096", "65536", "--batch-contexts", "256",
+                "--reps", "3", "--encodings", "none", "rope", "permute", "none+graphs", "rope+graphs",
+                "--gpt2-max", "8192"],
+        limits=dict(pytest=60, train_steps=90, families=20, decoding=60, attention=120, models=150),
+    )  # fmt: skip
+
+
+class FlaCalls:
+    """Counts the causal products that go to fla's kernels while inside (the dispatch's call of
+    ``fla_causal_product``, eager or inside the compiled custom op)."""
+
+    def __init__(self):
+        self.count = 0
+        self.original = attention_kernels.fla_causal_product
+
+    def __enter__(self):
+        def counted(*args, **kwargs):
+            self.count += 1
+            return self.original(*args, **kwargs)
+
+        attention_kernels.fla_causal_product = counted
+        return self
+
+    def __exit__(self, *exc):
+        attention_kernels.fla_causal_product = self.original
+
+
+def gpt(encoding, feature_map, backend, s, device):
+    torch.manual_seed(0)
+    config = lrpe_hf.LinearGPTConfig(
+        vocab_size=512, hidden_size=s["hidden"], num_hidden_layers=s["layers"], num_attention_heads=s["heads"],
+        intermediate_size=4 * s["hidden"], max_position_embeddings=2 * s["tokens"], hidden_dropout_prob=0.0,
+        positional_encoding=encoding, feature_map=feature_map, kernel_backend=backend, eos_token_id=None,
+    )  # fmt: skip
+    return lrpe_hf.LinearGPTForCausalLM(config).to(device)
+
+
+def batches(s, device):
+    """Padded rows (row 1 left-padded by a tenth) and packed rows (three documents a row, restarting positions)."""
+    generator = torch.Generator().manual_seed(0)
+    n = s["tokens"]
+    ids = torch.randint(3, 512, (2, n), generator=generator)
+    mask = torch.ones(2, n, dtype=torch.long)
+    mask[1, : n // 10] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    lengths = [n // 2, n // 3, n - n // 2 - n // 3]
+    positions = torch.cat([torch.arange(length) for length in lengths]).expand(2, -1)
+    padded = dict(input_ids=ids, attention_mask=mask, labels=labels)
+    packed = dict(input_ids=ids, position_ids=positions.contiguous(), labels=ids)
+    return {name: {k: v.to(device) for k, v in batch.items()} for name, batch in (("padded", padded), ("packed", packed))}
+
+
+def train_step(model, batch, dtype, device):
+    model.zero_grad(set_to_none=True)
+    with torch.autocast(device, dtype=dtype, enabled=dtype != torch.float32):
+        loss = model(**batch, use_cache=False).loss
+    loss.backward()
+    grads = torch.cat([p.grad.float().flatten() for p in model.parameters() if p.grad is not None])
+    return loss.float().item(), grads
+
+
+def part_train_steps(out: Path, s: dict):
+    device = s["device"]
+    cases = [(encoding, None) for encoding in lrpe_hf.POSITIONAL_ENCODINGS] + [("none", m) for m in MAPS_ONCE]
+    rows = []
+    for encoding, feature_map in cases:
+        models = {backend: gpt(encoding, feature_map, backend, s, device).train() for backend in ("auto", "torch")}
+        for dtype_name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+            for layout, batch in batches(s, device).items():
+                with FlaCalls() as calls:
+                    loss, grads = train_step(models["auto"], batch, dtype, device)
+                reference_loss, reference = train_step(models["torch"], batch, dtype, device)
+                rows.append(
+                    dict(
+                        encoding=encoding, feature_map=feature_map or "default", dtype=dtype_name, rows=layout,
+                        loss=loss, torch_loss=reference_loss,
+                        loss_relative_difference=abs(loss - reference_loss) / abs(reference_loss),
+                        gradient_cosine=torch.nn.functional.cosine_similarity(grads, reference, dim=0).item(),
+                        gradient_relative_error=((grads - reference).norm() / reference.norm()).item(),
+                        finite=bool(torch.isfinite(grads).all() and torch.isfinite(torch.tensor(loss))),
+                        fla_calls=calls.count,
+                    )
+                )  # fmt: skip
+                print(rows[-1], flush=True)
+    write_csv(out / "train_steps.csv", rows)
+
+
+def part_families(out: Path, s: dict):
+    device, rows = s["device"], []
+    shapes = dict(hidden_size=s["hidden"], num_hidden_layers=s["layers"], num_attention_heads=s["heads"])
+    torch.manual_seed(0)
+    roberta = lrpe_hf.LinearRobertaForMaskedLM(lrpe_hf.LinearRobertaConfig(vocab_size=512, **shapes))
+    vit = lrpe_hf.LinearViTForImageClassification(lrpe_hf.LinearViTConfig(image_size=64, patch_size=8, **shapes))
+    ids = torch.randint(3, 512, (2, s["tokens"]))
+    cases = {
+        "roberta": (roberta, dict(input_ids=ids, labels=ids)),
+        "vit": (vit, dict(pixel_values=torch.randn(2, 3, 64, 64), labels=torch.tensor([0, 1]))),
+    }
+    for name, (model, batch) in cases.items():
+        model, batch = model.to(device), {k: v.to(device) for k, v in batch.items()}
+        with torch.autocast(device, dtype=torch.bfloat16):
+            loss = model(**batch).loss
+        loss.backward()
+        finite = all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+        rows.append(dict(family=name, loss=loss.float().item(), finite=bool(finite and torch.isfinite(loss))))
+        print(rows[-1], flush=True)
+    write_csv(out / "families.csv", rows)
+
+
+def part_decoding(out: Path, s: dict):
+    from torch._dynamo.utils import counters
+
+    device, rows = s["device"], []
+    for encoding in s["decoding"]:
+        model = gpt(encoding, None, "auto", s, device).eval()
+        prompt = torch.randint(3, 512, (1, 32), generator=torch.Generator().manual_seed(1)).to(device)
+
+        def generate():
+            out = model.generate(
+                prompt, max_new_tokens=s["new_tokens"], do_sample=False, return_dict_in_generate=True,
+                output_logits=True,
+            )  # fmt: skip
+            return out.sequences, torch.stack(out.logits).float()
+
+        def timed():
+            if device == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            result = generate()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            return result, 1000 * (time.perf_counter() - start) / s["new_tokens"]
+
+        generate()  # warm-up
+        (eager_tokens, eager_logits), eager_ms = timed()
+        torch._dynamo.reset()
+        counters.clear()
+        eager_forward = model.forward
+        model.forward = torch.compile(eager_forward, mode="reduce-overhead")
+        generate()  # compiles, records the graphs
+        graphs_before = counters["stats"]["unique_graphs"]
+        (tokens, logits), compiled_ms = timed()
+        model.forward = eager_forward
+        rows.append(
+            dict(
+                encoding=encoding, same_tokens=bool(torch.equal(tokens, eager_tokens)),
+                largest_logit_difference=(logits - eager_logits).abs().max().item(),
+                unique_graphs=counters["stats"]["unique_graphs"], graphs_in_timed_call=counters["stats"]["unique_graphs"]
+                - graphs_before, recompilations=sum(counters["recompiles"].values()),
+                graph_breaks=sum(counters["graph_break"].values()), eager_ms_per_token=eager_ms,
+                compiled_ms_per_token=compiled_ms,
+            )
+        )  # fmt: skip
+        print(rows[-1], flush=True)
+    write_csv(out / "decoding.csv", rows)
+
+
+def benchmark(script: str, folder: str, dtype_arguments: list):
+    def run(out: Path, s: dict):
+        command = [sys.executable, str(ROOT / "benchmarks" / script), "--device", s["device"], *dtype_arguments]
+        command += [*s[folder], "--out", str(out / folder)]
+        subprocess.run(command, check=True, timeout=s["limits"][folder])
+
+    return run
+
+
+def part_pytest(out: Path, s: dict):
+    command = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider"]
+    command += ["tests/test_properties.py", "tests/test_triton_adapter.py"]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=s["limits"]["pytest"])
+    (out / "pytest.txt").write_text(result.stdout[-20000:] + result.stderr[-5000:])
+    if result.returncode not in (0, 5):  # 5: every test deselected or skipped (no GPU)
+        raise RuntimeError(f"pytest -m gpu exited {result.returncode}: {result.stdout[-1000:]}")
+
+
+def write_csv(path: Path, rows: list[dict]):
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def versions() -> dict:
+    found = {"python": platform.python_version(), "torch": torch.__version__}
+    for name in ("transformers", "triton", "fla-core", "accelerate"):
+        try:
+            found[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            found[name] = None
+    return found
+
+
+def device_facts(device: str) -> dict:
+    if device != "cuda":
+        return {"device": platform.processor() or platform.machine(), "cpu_count": os.cpu_count()}
+    properties = torch.cuda.get_device_properties(0)
+    smi = subprocess.run(
+        ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True, text=True
+    )
+    return {
+        "device": properties.name, "memory_gib": round(properties.total_memory / 2**30, 1),
+        "capability": f"{properties.major}.{properties.minor}", "driver": smi.stdout.strip() or None,
+        "cuda": torch.version.cuda,
+    }  # fmt: skip
+
+
+PARTS = {
+    "pytest": part_pytest,
+    "train_steps": part_train_steps,
+    "families": part_families,
+    "decoding": part_decoding,
+    "attention": benchmark("benchmark_attention.py", "attention", ["--dtype", "bf16"]),
+    "models": benchmark("benchmark_models.py", "models", ["--dtype", "bf16"]),
+}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=ROOT / "out" / "gpu_check")
+    parser.add_argument("--dry-run", action="store_true", help="the rehearsal: CPU, tiny sizes, seconds")
+    parser.add_argument("--parts", nargs="+", choices=list(PARTS), default=list(PARTS))
+    parser.add_argument("--commit", default=os.environ.get("GPU_CHECK_COMMIT"), help="the commit of the tree run")
+    args = parser.parse_args()
+    s = sizes(args.dry_run)
+    if s["device"] == "cuda" and not torch.cuda.is_available():
+        sys.exit("no CUDA device: run the rehearsal with --dry-run")
+    args.out.mkdir(parents=True, exist_ok=True)
+    record = {
+        "written_by": "benchmarks/gpu_check.py", "command": " ".join(["python", *sys.argv]), "commit": args.commit,
+        "dry_run": args.dry_run, **device_facts(s["device"]), "versions": versions(), "parts": {},
+    }  # fmt: skip
+    if s["device"] == "cuda":
+        from lrpe_hf.modeling import products_triton
+
+        record["fla"] = products_triton.load_fla()[1] or "fla's kernels import"
+        if products_triton.load_fla()[0] is not None:
+            record["fla_gated_backward_fails_bf16"] = products_triton.gated_backward_fails(torch.bfloat16)
+    for name in args.parts:
+        start = time.perf_counter()
+        try:
+            PARTS[name](args.out, s)
+            status = "ok"
+        except Exception as error:
+            status = f"failed: {type(error).__name__}: {error}"
+            traceback.print_exc()
+        record["parts"][name] = {"status": status, "seconds": round(time.perf_counter() - start, 1)}
+        print(f"== {name}: {status} ({record['parts'][name]['seconds']} s)", flush=True)
+        (args.out / "record.json").write_text(json.dumps(record, indent=2))
+    archive = args.out / "gpu_check.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        for path in sorted(args.out.rglob("*")):
+            if path.is_file() and path != archive:
+                tar.add(path, arcname=str(path.relative_to(args.out)))
+    failed = [name for name, part in record["parts"].items() if part["status"] != "ok"]
+    print(f"gpu check: {len(record['parts']) - len(failed)} parts ok, {len(failed)} failed {failed}; {archive}")
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
