@@ -9,6 +9,7 @@ from .modeling.configuration_linear_attention import LinearAttentionConfig
 from .modeling.configuration_linear_gpt import LinearGPTConfig
 from .modeling.configuration_linear_roberta import LinearRobertaConfig
 from .modeling.configuration_linear_vit import LinearViTConfig
+from .modeling.context_parallel import context_parallel
 from .modeling.feature_maps import ExponentialFeatureMap, FeatureMap
 from .modeling.linear_attention import LinearAttention
 from .modeling.modeling_linear_gpt import (
@@ -74,6 +75,7 @@ __all__ = [
     "PositionalEncoding",
     "SinusoidalPositionEmbedding",
     "attention_transfer_loss",
+    "context_parallel",
     "linearize",
     "linearize_transfer_parameters",
     "register_feature_map",

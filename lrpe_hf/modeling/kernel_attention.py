@@ -25,6 +25,7 @@ from torch import nn
 
 from .attention_kernels import bidirectional_linear_attention, causal_linear_attention
 from .attention_state import TensorState
+from .context_parallel import active_group, bidirectional_product, causal_product
 from .feature_maps import FEW_ELEMENTS, FeatureMap, Features
 from .gradients import wants_gradient
 from .products_chunked import causal_key_sums
@@ -137,6 +138,12 @@ class KernelAttention(nn.Module):
             features = self.feature_map.features(q, k, mask, self.causal, key_max, local_documents, reuse_inputs)
             tq, tk = encoding.encode_features(features.query, features.key, positions)
         gates = features.log_gates
+        cp = active_group()
+        if cp is not None and (features.log_scale is not None or features.key_max is not None):
+            raise ValueError(
+                f"Context parallelism does not take feature_map={type(self.feature_map).__name__}: it is stabilised "
+                "by a running key maximum, which the ranks would need in turn; use elu, relu, dpfp or hedgehog"
+            )
         log_decay = encoding.log_decay
         if log_decay is not None and not self.causal:
             raise ValueError(f"{type(encoding).__name__} decays with distance: it is for causal attention only")
@@ -147,9 +154,11 @@ class KernelAttention(nn.Module):
         with_denominator = self.normalization == "denominator"
         # without a stabiliser or a gradient, the causal product divides by the denominator as it goes
         divided = self.causal and with_denominator and features.log_scale is None
-        divided = divided and not wants_gradient(tq, tk, v, gates)
+        divided = divided and not wants_gradient(tq, tk, v, gates) and cp is None
         in_place = updates_in_place(state)
-        if self.causal:
+        if cp is not None:
+            out, denominator, kv = self.context_parallel_product(tq, tk, v, gates, starts, with_denominator, cp)
+        elif self.causal:
             previous = state.kv if state else None
             divide_eps = self.eps if divided else None
             out, denominator, kv = causal_linear_attention(
@@ -186,6 +195,17 @@ class KernelAttention(nn.Module):
         log_peak = peak.to(features.log_scale.dtype).clamp_min(torch.finfo(peak.dtype).tiny).log()
         mean_square = unit.pow(2).mean(-1, keepdim=True) + self.eps * torch.exp(-2 * (features.log_scale + log_peak))
         return (unit / nonzero(mean_square.sqrt())).to(out.dtype) * self.output_norm.weight.to(out.dtype)
+
+    def context_parallel_product(self, q, k, v, gates, starts, with_denominator, cp):
+        """The product over a sequence split across ``cp``'s ranks (``context_parallel``): out, the denominator and
+        no state (the caller keeps none)."""
+        if self.causal:
+            out, denominator = causal_product(
+                q, k, v, gates, starts, with_denominator, self.chunk_size, self.kernel_backend, cp
+            )
+        else:
+            out, denominator = bidirectional_product(q, k, v, with_denominator, cp)
+        return out, denominator, None
 
     def stacks(self, q, k, encoding) -> bool:
         """Whether q and k go through the feature map and the encoding as one tensor (``stacked_features``): for
@@ -251,6 +271,9 @@ class KernelAttention(nn.Module):
 
     def unrotated_denominator(self, fq, fk, gates, state, starts=None, in_place=False, known_decay=None):
         """<phi(q_s), sum_t w(s, t) phi(k_t)> without the positional transform (RoFormer eq. 19): (B, H, N, 1)."""
+        cp = active_group()
+        if cp is not None:
+            return self.context_parallel_product(fq, fk, torch.ones_like(fk[..., :1]), gates, starts, False, cp)[0]
         if not self.causal:
             documents = None if starts is None else starts.long().cumsum(-1)
             return bidirectional_linear_attention(fq, fk, torch.ones_like(fk[..., :1]), documents)[0]

@@ -25,7 +25,8 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
 from .attention_options import AttentionOptions
-from .attention_state import ValueHistory
+from .attention_state import LinearAttentionState, ValueHistory
+from .context_parallel import active_group, incoming_counters, summed
 from .kernel_attention import KernelAttention
 from .positional_encoding import NoPositionalEncoding
 from .positions import check_position_ids, default_position_ids, find_documents, mask_as_bool, position_steps
@@ -145,6 +146,20 @@ class LinearAttention(nn.Module):
         past = state.num_tokens if state is not None and state.num_tokens is not None else 0
         return default_position_ids(mask, batch_size, num_tokens, device, past)[..., None]
 
+    def check_context_parallel(self, state):
+        """Refuse, saying why, what context parallelism does not split (``context_parallel``'s docstring)."""
+        why = None
+        if state is not None:
+            why = "a recurrent state was passed: generation continues on one process"
+        elif isinstance(self.attention, SoftmaxAttention):
+            why = "softmax attention is the quadratic baseline: accelerate's own context parallelism splits SDPA"
+        elif self.positional_encoding.has_value_bias:
+            why = f"{self.options.positional_encoding} biases with every earlier value, which this rank does not hold"
+        elif self.training and positional_encoding_entry(self.options.positional_encoding).build_shared is not None:
+            why = f"{self.options.positional_encoding} draws random codes in training, which the ranks would draw apart"
+        if why:
+            raise ValueError(f"Context parallelism cannot run this layer: {why}")
+
     def split_heads(self, x):
         B, N, _ = x.shape
         return x.view(B, N, self.num_heads, self.head_dim).transpose(1, 2)
@@ -218,7 +233,14 @@ class LinearAttention(nn.Module):
         mask = mask_as_bool(attention_mask, B, N)
         if state is not None and not self.options.causal:
             raise ValueError("A recurrent state is only meaningful for causal attention (causal=True)")
-        positions = self.positions(position_ids, mask, state, B, N, hidden_states.device)
+        cp = active_group()
+        if cp is None:
+            positions = self.positions(position_ids, mask, state, B, N, hidden_states.device)
+        else:  # this rank's slice: positions continue from the earlier ranks' tokens, as from a recurrent state
+            self.check_context_parallel(state)
+            given = None if position_ids is None else self.positions(position_ids, mask, None, B, N, hidden_states.device)
+            state = incoming_counters(given, mask, B, N, hidden_states.device, cp, LinearAttentionState)
+            positions = given if given is not None else self.positions(None, mask, state, B, N, hidden_states.device)
         if self.standalone and self.training:
             self.redraw_random_features()
         if shared_draw is None and self.shared_codes is not None:
@@ -237,8 +259,15 @@ class LinearAttention(nn.Module):
         elif documents is None:
             documents = find_documents(positions, mask, state, given_positions=position_ids is not None)
         starts, documents = documents
+        if cp is not None and not self.options.causal and position_ids is not None:
+            packed = summed(torch.tensor(float(starts is not None), device=hidden_states.device), cp)
+            if packed > 0:
+                raise ValueError(
+                    "Context parallelism does not take packed documents in bidirectional attention (a document that "
+                    "crosses a rank boundary would need a state per document); give each row one document"
+                )
         path_state = None
-        if state is not None:
+        if state is not None and cp is None:
             state.path = state.path if state.path is not None else self.attention.State()
             path_state = state.path
         steps = position_steps(positions, mask, state) if encoding.log_decay is not None else None
@@ -259,6 +288,6 @@ class LinearAttention(nn.Module):
             out = out + encoding.value_bias(keys[0], keys[1], positions, self.options.causal, keys[2], documents)
         if mask is not None:
             out = out.masked_fill(~mask[:, None, :, None], 0.0)
-        if state is not None and count_tokens:
+        if state is not None and count_tokens and cp is None:
             state.count(positions, mask, documents)
         return out

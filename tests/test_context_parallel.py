@@ -1,0 +1,101 @@
+"""Context parallelism (lrpe_hf/modeling/context_parallel.py) against one process: 2 and 4 CPU processes (gloo),
+float64, each rank holding a contiguous slice of the same sequence, must give the whole sequence's outputs for
+their tokens, its input gradients and, summed over the ranks, its parameter gradients (tests/context_parallel_worker.py
+compares them, every rank against its own one-process run of the whole sequence)."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import lrpe_hf
+from lrpe_hf.modeling.context_parallel import context_parallel
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = ROOT / "tests" / "context_parallel_worker.py"
+pytestmark = pytest.mark.slow  # each comparison launches 2 or 4 processes
+
+if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
+    pytest.skip("needs torch.distributed with the gloo backend", allow_module_level=True)
+
+SPLIT = [e for e in lrpe_hf.POSITIONAL_ENCODINGS if e not in ("fastrpb",)]  # fastrpb: refused (test below)
+CAUSAL = [dict(positional_encoding=e, causal=True) for e in SPLIT]
+CAUSAL += [dict(positional_encoding=e, causal=True, packed=True, padded=True) for e in ("rope", "permute", "none")]
+CAUSAL += [dict(positional_encoding="permute", causal=True, gaps=True, padded=True)]
+CAUSAL += [dict(positional_encoding="lrpe_orthogonal", causal=True, feature_map=m) for m in ("relu", "dpfp")]
+BIDIRECTIONAL = [dict(positional_encoding=e, causal=False, padded=True) for e in SPLIT]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(size: int, cases: list[dict]):
+    environment = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(size)}
+    processes = [
+        subprocess.Popen(
+            [sys.executable, str(WORKER), json.dumps(cases)], env={**environment, "RANK": str(rank)},
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        for rank in range(size)
+    ]
+    results = [process.communicate(timeout=900) for process in processes]
+    for process, (stdout, stderr) in zip(processes, results):
+        assert process.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    return results
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_causal_layers_split_over_ranks_equal_one_process(size):
+    """Every encoding (fastrpb refused), padded and packed rows whose documents cross rank boundaries, a decay over
+    positions with gaps, and other feature maps: outputs and gradients within 1e-10 of one process."""
+    run_ranks(size, CAUSAL)
+
+
+def test_bidirectional_layers_split_over_ranks_equal_one_process():
+    run_ranks(2, BIDIRECTIONAL)
+
+
+def test_what_context_parallelism_cannot_split_is_refused_by_name(monkeypatch):
+    """One process as a group of one: the refusals come before any collective is needed."""
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+    )
+    try:
+        x = torch.randn(1, 8, 32)
+        cases = [
+            (dict(positional_encoding="fastrpb", max_positions=64, causal=True), "biases with every earlier value"),
+            (dict(attention="softmax", causal=True), "accelerate's own context parallelism splits SDPA"),
+            (dict(feature_map="exp", causal=True), "running key maximum"),
+        ]
+        for options, message in cases:
+            layer = lrpe_hf.LinearAttention(32, 4, **options).eval()
+            with context_parallel(), pytest.raises(ValueError, match=message):
+                layer(x)
+        spe = lrpe_hf.LinearAttention(32, 4, positional_encoding="spe_sine", causal=True).train()
+        with context_parallel(), pytest.raises(ValueError, match="random codes in training"):
+            spe(x)
+        layer = lrpe_hf.LinearAttention(32, 4, causal=True).eval()
+        with context_parallel(), pytest.raises(ValueError, match="generation continues on one process"):
+            layer(x, state=lrpe_hf.LinearAttentionState())
+        model = lrpe_hf.LinearGPTModel(lrpe_hf.LinearGPTConfig(vocab_size=50, hidden_size=32, num_attention_heads=4))
+        with context_parallel(), pytest.raises(ValueError, match="the model families are not split yet"):
+            model(torch.tensor([[1, 2, 3]]))
+        bidirectional = lrpe_hf.LinearAttention(32, 4, causal=False).eval()
+        with context_parallel(), pytest.raises(ValueError, match="packed documents in bidirectional"):
+            bidirectional(x, position_ids=torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]]))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_context_parallel_needs_an_initialised_process_group():
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        with context_parallel():
+            pass
