@@ -74,11 +74,74 @@ def run_case(case, rank, size):
         sys.exit(f"rank {rank}: {case}: {worst} differ by {errors[worst]:.3e}")
 
 
+def run_model_case(case, rank, size):
+    """A 2-layer LinearGPT (causal LM) or LinearRoberta (masked LM) in float64, its loss and every gradient: each
+    rank's loss is its tokens' sum over the whole sequence's count of scored tokens, so the ranks' losses add up
+    to one process's; the causal LM takes the labels shifted over the whole sequence, sliced like the inputs."""
+    import lrpe_hf
+
+    family = case["model"]
+    torch.manual_seed(0)
+    fields = dict(
+        vocab_size=60, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        hidden_dropout_prob=0.0, max_position_embeddings=128, positional_encoding=case["positional_encoding"],
+        absolute_position_embedding=case.get("absolute", "none"), spe_realizations=8,
+    )  # fmt: skip
+    if family == "gpt":
+        model = lrpe_hf.LinearGPTForCausalLM(lrpe_hf.LinearGPTConfig(**fields))
+    else:
+        model = lrpe_hf.LinearRobertaForMaskedLM(lrpe_hf.LinearRobertaConfig(**fields))
+    model = model.double().eval()
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 60, (2, TOKENS), generator=generator)
+    _, mask, positions = inputs(case, generator)
+    labels = ids.clone()
+    if family == "roberta":  # a masked LM scores some tokens only
+        labels[torch.rand(ids.shape, generator=generator) > 0.3] = -100
+    if mask is not None:
+        labels = labels.masked_fill(~mask, -100)
+    extra = {} if mask is None else {"attention_mask": mask.long()}
+    if positions is not None:
+        extra["position_ids"] = positions
+
+    reference = model(input_ids=ids, labels=labels, **extra)
+    reference.loss.backward()
+    reference_grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+
+    piece = slice(rank * TOKENS // size, (rank + 1) * TOKENS // size)
+    if family == "gpt":
+        shifted = torch.nn.functional.pad(labels, (0, 1), value=-100)[:, 1:]
+        scored = int((shifted != -100).sum())
+        targets = {"shift_labels": shifted[:, piece].contiguous(), "labels": labels[:, piece].contiguous()}
+    else:
+        scored, targets = int((labels != -100).sum()), {"labels": labels[:, piece].contiguous()}
+    local = {name: value[:, piece].contiguous() for name, value in extra.items()}
+    with context_parallel():
+        out = model(input_ids=ids[:, piece].contiguous(), num_items_in_batch=scored, **targets, **local)
+    out.loss.backward()
+    loss = out.loss.detach().clone()
+    dist.all_reduce(loss)
+    errors = {"loss": (loss - reference.loss).abs().item()}
+    errors["logits"] = (out.logits - reference.logits[:, piece]).abs().max().item()
+    for name, p in model.named_parameters():
+        if name in reference_grads:
+            grad = p.grad.clone()
+            dist.all_reduce(grad)
+            errors[name] = (grad - reference_grads[name]).abs().max().item()
+    # transformers' masked-LM loss sums in float32 (it casts the logits), so its sum over ranks keeps float32 rounding
+    tolerances = {name: 1e-6 if name == "loss" and family == "roberta" else 1e-10 for name in errors}
+    worst = max(errors, key=lambda name: errors[name] / tolerances[name])
+    print(f"rank {rank}/{size} {case}: largest difference {errors[worst]:.2e} ({worst}), loss {reference.loss:.4f}")
+    if errors[worst] > tolerances[worst]:
+        sys.exit(f"rank {rank}: {case}: {worst} differ by {errors[worst]:.3e}")
+
+
 def main():
     dist.init_process_group("gloo")
     rank, size = dist.get_rank(), dist.get_world_size()
     for case in json.loads(sys.argv[1]):
-        run_case(case, rank, size)
+        (run_model_case if "model" in case else run_case)(case, rank, size)
     dist.barrier()
     # every rank has passed every case: leave without tearing gloo down (its teardown at exit aborts now and then,
     # "terminate called without an active exception", after the work is done)

@@ -214,3 +214,20 @@ def test_the_gpu_check_rehearses_every_part_on_the_cpu(tmp_path):
         (decoding,) = list(csv.DictReader(f))
     assert decoding["same_tokens"] == "True" and decoding["graph_breaks"] == "0" and decoding["recompilations"] == "0"
     assert (out / "gpu_check.tar.gz").stat().st_size > 0
+
+
+def test_the_context_parallel_benchmark_counts_what_it_computes(tmp_path):
+    """Two gloo processes against one at a tiny size: the bytes counted through the gathers are the states the
+    computed table names (kv with key sums per head, forward and backward) plus the counters, whatever the length."""
+    command = [sys.executable, str(BENCHMARKS / "context_parallel_traffic.py"), "--measure", "--tokens", "256"]
+    command += ["--reps", "1", "--encodings", "none", "--lengths", "32768", "--ranks", "2", "--out", str(tmp_path)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    with open(tmp_path / "measured.csv") as f:
+        (row,) = list(csv.DictReader(f))
+    state = 8 * 64 * 65 * 4  # heads x features x (head width + key sums), float32
+    decays, counters = 8 * 4, 2 * 8  # the total decay per head; real counts and last positions (int64)
+    assert int(row["sent_bytes_per_step"]) == 2 * state + decays + counters  # forward gather, backward gather
+    with open(tmp_path / "traffic.csv") as f:
+        (computed,) = list(csv.DictReader(f))
+    assert int(computed["ours_bytes"]) == state + 8 * 64 * 4  # and the unrotated key sums where the encoding rotates

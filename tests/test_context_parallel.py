@@ -29,6 +29,11 @@ CAUSAL += [dict(positional_encoding=e, causal=True, packed=True, padded=True) fo
 CAUSAL += [dict(positional_encoding="permute", causal=True, gaps=True, padded=True)]
 CAUSAL += [dict(positional_encoding="lrpe_orthogonal", causal=True, feature_map=m) for m in ("relu", "dpfp")]
 BIDIRECTIONAL = [dict(positional_encoding=e, causal=False, padded=True) for e in SPLIT]
+MODELS = [dict(model="gpt", positional_encoding=e) for e in ("lrpe_orthogonal", "permute", "spe_sine")]
+MODELS += [dict(model="gpt", positional_encoding="rope", packed=True, padded=True, absolute="learned")]
+MODELS += [dict(model="gpt", positional_encoding="permute", padded=True)]
+MODELS += [dict(model="roberta", positional_encoding=e, padded=True) for e in ("lrpe_orthogonal", "none")]
+MODELS += [dict(model="roberta", positional_encoding="rope", absolute="sinusoidal")]
 
 
 def free_port() -> int:
@@ -63,6 +68,14 @@ def test_bidirectional_layers_split_over_ranks_equal_one_process():
     run_ranks(2, BIDIRECTIONAL)
 
 
+@pytest.mark.parametrize("size", [2, 4])
+def test_models_split_over_ranks_give_one_process_loss_and_gradients(size):
+    """LinearGPT (causal LM, shift_labels) and LinearRoberta (masked LM): the ranks' losses add up to one process's,
+    the logits of each slice are the whole sequence's, the summed gradients equal one process's (default and
+    given positions, padding, packed documents across boundaries, absolute tables, SPE's shared codes in eval)."""
+    run_ranks(size, MODELS)
+
+
 def test_what_context_parallelism_cannot_split_is_refused_by_name(monkeypatch):
     """One process as a group of one: the refusals come before any collective is needed."""
     torch.distributed.init_process_group(
@@ -85,9 +98,23 @@ def test_what_context_parallelism_cannot_split_is_refused_by_name(monkeypatch):
         layer = lrpe_hf.LinearAttention(32, 4, causal=True).eval()
         with context_parallel(), pytest.raises(ValueError, match="generation continues on one process"):
             layer(x, state=lrpe_hf.LinearAttentionState())
-        model = lrpe_hf.LinearGPTModel(lrpe_hf.LinearGPTConfig(vocab_size=50, hidden_size=32, num_attention_heads=4))
-        with context_parallel(), pytest.raises(ValueError, match="the model families are not split yet"):
-            model(torch.tensor([[1, 2, 3]]))
+        text = dict(vocab_size=50, hidden_size=32, num_attention_heads=4, num_labels=2)
+        ids = torch.tensor([[1, 2, 3]])
+        model = lrpe_hf.LinearGPTForCausalLM(lrpe_hf.LinearGPTConfig(**text)).eval()
+        with context_parallel(), pytest.raises(ValueError, match="pass shift_labels"):
+            model(ids, labels=ids)
+        with context_parallel(), pytest.raises(ValueError, match="a generation cache"):
+            model(ids, use_cache=True)
+        for head, message in [
+            (lrpe_hf.LinearGPTForSequenceClassification(lrpe_hf.LinearGPTConfig(**text)), "sequence classification"),
+            (lrpe_hf.LinearRobertaForSequenceClassification(lrpe_hf.LinearRobertaConfig(**text)), "sequence class"),
+            (lrpe_hf.LinearRobertaForQuestionAnswering(lrpe_hf.LinearRobertaConfig(**text)), "question answering"),
+        ]:
+            with context_parallel(), pytest.raises(ValueError, match=message):
+                head(ids)
+        vit = lrpe_hf.LinearViTModel(lrpe_hf.LinearViTConfig(hidden_size=32, num_attention_heads=4, image_size=32))
+        with context_parallel(), pytest.raises(ValueError, match="LinearViT"):
+            vit(torch.randn(1, 3, 32, 32))
         bidirectional = lrpe_hf.LinearAttention(32, 4, causal=False).eval()
         with context_parallel(), pytest.raises(ValueError, match="packed documents in bidirectional"):
             bidirectional(x, position_ids=torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]]))

@@ -35,7 +35,15 @@ sequence in one process. What crosses ranks, and why that is all:
 Refused, with the reason: the softmax baseline (accelerate's own context parallelism splits SDPA), FastRPB (its
 bias reads every earlier value), feature maps stabilised by a running key maximum (exp, performer), convSPE and
 sineSPE while training (their codes are random draws, which the ranks would make apart), and a recurrent state
-passed by the caller (generation continues on one process).
+passed by the caller (generation continues on one process), and what reads tokens of other ranks: a cache,
+pooled heads (sequence classification, question answering, LinearViT's class token).
+
+The models (LinearGPT, LinearRoberta) split too: their default positions continue from the earlier ranks' real
+tokens (``real_tokens_before``), packed documents are found against the earlier ranks' last positions, and the
+causal LM takes ``shift_labels``, the labels shifted over the whole sequence and then sliced like the inputs (a
+slice's last token is scored against the next rank's first). Each rank's loss is its tokens' sum over
+``num_items_in_batch`` when that is the whole sequence's count of scored tokens, so the ranks' losses and gradients
+add up to one process's.
 """
 
 import contextlib
@@ -135,6 +143,22 @@ class IncomingState(torch.autograd.Function):
                 grad_state, grad_decay = h, (h * incoming[j]).sum((-1, -2))
             h = grads[j] + decays[j][..., None, None] * h
         return grad_state, grad_decay if ctx.needs_input_grad[1] else None, None
+
+
+def real_tokens_before(mask, batch_size: int, num_tokens: int, device):
+    """(B,) the real tokens of the earlier ranks' slices inside a ``context_parallel`` block (where a model's default
+    positions continue from), 0 outside any. mask (B, N) bool or None."""
+    cp = active_group()
+    if cp is None:
+        return 0
+    count = mask.long().sum(-1) if mask is not None else torch.full((batch_size,), num_tokens, device=device)
+    return torch.stack(gathered(count, cp))[: cp.rank].sum(0)
+
+
+def refuse_in_context_parallel(what: str):
+    """Raise inside a ``context_parallel`` block: ``what`` reads tokens that lie on other ranks."""
+    if active_group() is not None:
+        raise ValueError(f"Context parallelism cannot split {what}: call it outside context_parallel")
 
 
 def incoming_counters(positions, mask, batch_size: int, num_tokens: int, device, cp: ContextParallelGroup, state_class):

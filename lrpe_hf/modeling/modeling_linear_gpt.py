@@ -16,6 +16,7 @@ from transformers.utils import can_return_tuple
 
 from .cache import LinearAttentionCache
 from .configuration_linear_gpt import LinearGPTConfig
+from .context_parallel import active_group, real_tokens_before, refuse_in_context_parallel
 from .forward_arguments import CACHE_ARGUMENTS, CACHE_OUTPUT_FIELD, LOSS_ARGUMENTS, check_extra_arguments, take_cache
 from .label_checks import check_sequence_labels, check_token_labels
 from .lm_loss import causal_lm_loss
@@ -102,7 +103,10 @@ class LinearGPTModel(LinearGPTPreTrainedModel):
         if self.config.embedding_multiplier != 1.0:
             hidden_states = hidden_states * self.config.embedding_multiplier
         batch_size, num_tokens = hidden_states.shape[:2]
-        use_cache = use_cache if use_cache is not None else (self.config.use_cache and not self.training)
+        if use_cache is None:  # a slice of a sequence split over ranks (context_parallel) keeps no cache
+            use_cache = self.config.use_cache and not self.training and active_group() is None
+        if use_cache or past_key_values is not None:
+            refuse_in_context_parallel("a generation cache (generation continues on one process)")
         output_hidden_states = (
             output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
         )
@@ -135,7 +139,8 @@ class LinearGPTModel(LinearGPTPreTrainedModel):
             check_mask_against_cache(attention_mask, num_tokens, real_past)
         given_positions = position_ids is not None
         if position_ids is None:
-            real_past = real_past if real_past is not None else 0
+            if real_past is None:  # 0, or the real tokens of the earlier ranks' slices (context_parallel)
+                real_past = real_tokens_before(mask, batch_size, num_tokens, hidden_states.device)
             position_ids = default_position_ids(attention_mask, batch_size, num_tokens, hidden_states.device, real_past)
         if self.position_embedding is not None:
             hidden_states = hidden_states + self.position_embedding(position_ids).to(hidden_states.dtype)
@@ -244,6 +249,8 @@ class LinearGPTForCausalLM(LinearGPTPreTrainedModel, GenerationMixin):
             output_hidden_states=output_hidden_states,
         )
         check_token_labels(labels, *outputs.last_hidden_state.shape[:2], type(self).__name__)
+        if labels is not None and kwargs.get("shift_labels") is None:
+            refuse_in_context_parallel("labels that are shifted here: pass shift_labels, shifted over the whole sequence")
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         hidden = outputs.last_hidden_state[:, keep]
         logits = self.lm_head(hidden)
@@ -293,6 +300,7 @@ class LinearGPTForSequenceClassification(LinearGPTPreTrainedModel):
         **kwargs,
     ) -> SequenceClassifierOutputWithPast:
         check_extra_arguments(self, kwargs)
+        refuse_in_context_parallel("sequence classification (it pools the last real token, on one rank)")
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,

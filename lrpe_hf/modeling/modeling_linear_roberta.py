@@ -18,6 +18,7 @@ from transformers.modeling_outputs import (
 from transformers.utils import can_return_tuple
 
 from .configuration_linear_roberta import LinearRobertaConfig
+from .context_parallel import real_tokens_before, refuse_in_context_parallel
 from .forward_arguments import LOSS_ARGUMENTS, check_extra_arguments
 from .label_checks import check_sequence_labels, check_token_labels
 from .positional_absolute import build_absolute_position_embedding
@@ -88,7 +89,8 @@ class LinearRobertaModel(LinearRobertaPreTrainedModel):
         mask = mask_as_bool(attention_mask, batch_size, num_tokens)
         given_positions = position_ids is not None
         if position_ids is None:
-            position_ids = default_position_ids(mask, batch_size, num_tokens, hidden_states.device)
+            past = real_tokens_before(mask, batch_size, num_tokens, hidden_states.device)  # 0 but in context_parallel
+            position_ids = default_position_ids(mask, batch_size, num_tokens, hidden_states.device, past)
         if self.position_embedding is not None:
             hidden_states = hidden_states + self.position_embedding(position_ids).to(hidden_states.dtype)
         if self.token_type_embeddings is not None:
@@ -213,6 +215,7 @@ class LinearRobertaForSequenceClassification(LinearRobertaPreTrainedModel):
     ) -> SequenceClassifierOutput:
         """labels (B,) class ids, (B, num_labels) multi-hot floats, or (B,) floats for regression (num_labels=1)."""
         check_extra_arguments(self, kwargs)
+        refuse_in_context_parallel("sequence classification (it pools the first real token, on one rank)")
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -302,6 +305,7 @@ class LinearRobertaForQuestionAnswering(LinearRobertaPreTrainedModel):
     ) -> QuestionAnsweringModelOutput:
         """start_positions, end_positions (B,): the answer span's token indices."""
         check_extra_arguments(self, kwargs)
+        refuse_in_context_parallel("question answering (its answer spans index the whole sequence)")
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,

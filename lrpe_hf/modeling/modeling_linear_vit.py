@@ -12,6 +12,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPooling, ImageClass
 from transformers.utils import can_return_tuple
 
 from .configuration_linear_vit import LinearViTConfig
+from .context_parallel import refuse_in_context_parallel
 from .forward_arguments import check_extra_arguments
 from .label_checks import check_sequence_labels
 from .positional_absolute import LearnedPositionEmbedding, SinusoidalPositionEmbedding
@@ -143,6 +144,7 @@ class LinearViTModel(LinearViTPreTrainedModel):
         absolute table to the image's patch grid (relative encodings need nothing: they read the grid's positions);
         ``output_attentions``: every layer's attention weights (B, H, 1 + P, 1 + P), probed (O(P^2))."""
         check_extra_arguments(self, kwargs)
+        refuse_in_context_parallel("LinearViT (its class token and patch grid are one image's)")
         if pixel_values is None:
             raise ValueError("pixel_values is required")
         output_hidden_states = (

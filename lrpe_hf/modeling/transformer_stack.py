@@ -11,7 +11,8 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers import initialization as init
 
-from .context_parallel import active_group
+from .attention_state import LinearAttentionState
+from .context_parallel import active_group, incoming_counters
 from .positions import check_values, find_documents
 from .registry import positional_encoding_entry
 from .reinitialisable import Reinitialisable
@@ -47,12 +48,6 @@ class LinearTransformerStack(nn.Module):
         ``given_positions``: the caller's own position_ids, which may restart (packed rows), not the defaults, which
         only grow (``find_documents``). Returns the last hidden states and, if asked, the input of every layer and
         every layer's attention weights (B, H, N, N)."""
-        if active_group() is not None:
-            raise ValueError(
-                "Context parallelism splits lrpe_hf.LinearAttention layers; the model families are not split yet "
-                "(their default positions, packed documents and shifted labels would have to continue across ranks): "
-                "call the model outside context_parallel"
-            )
         if self.training:
             for layer in self.layers:
                 layer.self_attn.redraw_random_features()
@@ -71,6 +66,10 @@ class LinearTransformerStack(nn.Module):
         consecutive = not given_positions and attention_mask is None and position_ids.dim() == 2
         if positions.shape[-1] == 1:
             first_state = cache.states[0] if cache is not None else None
+            cp = active_group()
+            if cp is not None and given_positions:  # a document may start at this slice's first token
+                B, N = positions.shape[:2]
+                first_state = incoming_counters(positions, attention_mask, B, N, positions.device, cp, LinearAttentionState)
             documents = find_documents(positions, attention_mask, first_state, given_positions)
         all_hidden_states = [] if output_hidden_states else None
         all_attentions = [] if output_attentions else None
