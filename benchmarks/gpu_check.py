@@ -4,8 +4,9 @@ side, in one command that stays under about 8 minutes on one H100 and writes eve
     make gpu-check                                                   # on a CUDA machine: out/gpu_check/
     python benchmarks/gpu_check.py --dry-run --out out/gpu_check_dry # the rehearsal: CPU, tiny sizes (CI runs it)
 
-Parts, each with its own time limit, each recorded as it ends (a part that fails or runs out of time leaves its
-error and the others still run):
+Parts, each with its own time limit (10 s of grace, then a TimeoutError; all of them together
+9 minutes at most), each recorded as it ends (a part that
+fails or runs out of time leaves its error and the rows it wrote, and the others still run):
 
 1. ``pytest -m gpu``: the GPU tests (tests/test_properties.py, tests/test_triton_adapter.py).
 2. ``train_steps.csv``: a LinearGPT train step (2 x 256, 4 heads, 1,024 tokens, batch 2) for every encoding, and
@@ -37,6 +38,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import tarfile
@@ -72,7 +74,7 @@ def sizes(dry_run: bool) -> dict:
         models=["--lengths", "2048", "8192", "32768", "--contexts", "256", "4096", "65536", "--batch-contexts", "256",
                 "--reps", "3", "--encodings", "none", "rope", "permute", "none+graphs", "rope+graphs",
                 "--gpt2-max", "8192"],
-        limits=dict(pytest=60, train_steps=90, families=20, decoding=60, attention=120, models=150),
+        limits=dict(pytest=45, train_steps=100, families=20, decoding=60, attention=110, models=130),
     )  # fmt: skip
 
 
@@ -153,7 +155,7 @@ def part_train_steps(out: Path, s: dict):
                     )
                 )  # fmt: skip
                 print(rows[-1], flush=True)
-    write_csv(out / "train_steps.csv", rows)
+                write_csv(out / "train_steps.csv", rows)  # after every row: a part stopped for time keeps them
 
 
 def part_families(out: Path, s: dict):
@@ -223,7 +225,7 @@ def part_decoding(out: Path, s: dict):
             )
         )  # fmt: skip
         print(rows[-1], flush=True)
-    write_csv(out / "decoding.csv", rows)
+        write_csv(out / "decoding.csv", rows)
 
 
 def benchmark(script: str, folder: str, dtype_arguments: list):
@@ -285,6 +287,10 @@ PARTS = {
 }
 
 
+def out_of_time(signum, frame):
+    raise TimeoutError("the part ran past its time limit (sizes()' limits); its rows so far are written")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=ROOT / "out" / "gpu_check")
@@ -293,6 +299,7 @@ def main():
     parser.add_argument("--commit", default=os.environ.get("GPU_CHECK_COMMIT"), help="the commit of the tree run")
     args = parser.parse_args()
     s = sizes(args.dry_run)
+    signal.signal(signal.SIGALRM, out_of_time)
     if s["device"] == "cuda" and not torch.cuda.is_available():
         sys.exit("no CUDA device: run the rehearsal with --dry-run")
     args.out.mkdir(parents=True, exist_ok=True)
@@ -308,12 +315,15 @@ def main():
             record["fla_gated_backward_fails_bf16"] = products_triton.gated_backward_fails(torch.bfloat16)
     for name in args.parts:
         start = time.perf_counter()
+        signal.alarm(s["limits"][name] + 10)  # past its limit a part stops (TimeoutError) and the next one runs
         try:
             PARTS[name](args.out, s)
             status = "ok"
         except Exception as error:
             status = f"failed: {type(error).__name__}: {error}"
             traceback.print_exc()
+        finally:
+            signal.alarm(0)
         record["parts"][name] = {"status": status, "seconds": round(time.perf_counter() - start, 1)}
         print(f"== {name}: {status} ({record['parts'][name]['seconds']} s)", flush=True)
         (args.out / "record.json").write_text(json.dumps(record, indent=2))
