@@ -52,8 +52,10 @@ def computed_rows(lengths, ranks):
             ours = (P - 1) * state
             ulysses = 4 * (P - 1) / P * (N / P) * HIDDEN * 2
             ring = (P - 1) * (N / P) * 2 * HIDDEN * 2
-            rows.append(dict(ranks=P, tokens=N, ours_bytes=ours, ulysses_bytes=int(ulysses), ring_bytes=int(ring),
-                             ulysses_over_ours=round(ulysses / ours, 1), ring_over_ours=round(ring / ours, 1)))  # fmt: skip
+            rows.append(
+                dict(ranks=P, tokens=N, ours_bytes=ours, ulysses_bytes=int(ulysses), ring_bytes=int(ring),
+                     ulysses_over_ours=round(ulysses / ours, 1), ring_over_ours=round(ring / ours, 1))
+            )  # fmt: skip
     return rows
 
 

@@ -120,7 +120,8 @@ def batches(s, device):
     positions = torch.cat([torch.arange(length) for length in lengths]).expand(2, -1)
     padded = dict(input_ids=ids, attention_mask=mask, labels=labels)
     packed = dict(input_ids=ids, position_ids=positions.contiguous(), labels=ids)
-    return {name: {k: v.to(device) for k, v in batch.items()} for name, batch in (("padded", padded), ("packed", packed))}
+    layouts = {"padded": padded, "packed": packed}
+    return {name: {k: v.to(device) for k, v in batch.items()} for name, batch in layouts.items()}
 
 
 def train_step(model, batch, dtype, device):
@@ -218,8 +219,9 @@ def part_decoding(out: Path, s: dict):
             dict(
                 encoding=encoding, same_tokens=bool(torch.equal(tokens, eager_tokens)),
                 largest_logit_difference=(logits - eager_logits).abs().max().item(),
-                unique_graphs=counters["stats"]["unique_graphs"], graphs_in_timed_call=counters["stats"]["unique_graphs"]
-                - graphs_before, recompilations=sum(counters["recompiles"].values()),
+                unique_graphs=counters["stats"]["unique_graphs"],
+                graphs_in_timed_call=counters["stats"]["unique_graphs"] - graphs_before,
+                recompilations=sum(counters["recompiles"].values()),
                 graph_breaks=sum(counters["graph_break"].values()), eager_ms_per_token=eager_ms,
                 compiled_ms_per_token=compiled_ms,
             )

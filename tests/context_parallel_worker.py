@@ -34,6 +34,27 @@ def inputs(case, generator):
     return x, mask, positions
 
 
+def gradient_errors(module, reference_grads) -> dict:
+    """The largest difference of each parameter's gradient, summed over the ranks, from one process's."""
+    errors = {}
+    for name, p in module.named_parameters():
+        if name in reference_grads:
+            grad = p.grad.clone()
+            dist.all_reduce(grad)
+            errors[name] = (grad - reference_grads[name]).abs().max().item()
+    return errors
+
+
+def check(errors: dict, tolerances: dict, label: str, scale: str):
+    """Print the largest difference against its tolerance (1e-10 unless ``tolerances`` names another); exit non-zero
+    where one is exceeded."""
+    tolerance = {name: tolerances.get(name, 1e-10) for name in errors}
+    worst = max(errors, key=lambda name: errors[name] / tolerance[name])
+    print(f"{label}: largest difference {errors[worst]:.2e} ({worst}), {scale}")
+    if errors[worst] > tolerance[worst]:
+        sys.exit(f"{label}: {worst} differ by {errors[worst]:.3e}")
+
+
 def run_case(case, rank, size):
     torch.manual_seed(0)
     options = {key: case[key] for key in ("positional_encoding", "feature_map", "causal") if key in case}
@@ -62,16 +83,8 @@ def run_case(case, rank, size):
     (out * weights[:, piece]).sum().backward()
     errors = {"outputs": (out - reference[:, piece]).abs().max().item()}
     errors["input gradients"] = (local_input.grad - reference_input.grad[:, piece]).abs().max().item()
-    for name, p in layer.named_parameters():
-        if name in reference_grads:
-            grad = p.grad.clone()
-            dist.all_reduce(grad)
-            errors[name] = (grad - reference_grads[name]).abs().max().item()
-    worst = max(errors, key=errors.get)
-    scale = reference.abs().max().item()
-    print(f"rank {rank}/{size} {case}: largest difference {errors[worst]:.2e} ({worst}), outputs up to {scale:.2f}")
-    if errors[worst] > 1e-10:
-        sys.exit(f"rank {rank}: {case}: {worst} differ by {errors[worst]:.3e}")
+    errors.update(gradient_errors(layer, reference_grads))
+    check(errors, {}, f"rank {rank}/{size} {case}", f"outputs up to {reference.abs().max().item():.2f}")
 
 
 def run_model_case(case, rank, size):
@@ -124,17 +137,10 @@ def run_model_case(case, rank, size):
     dist.all_reduce(loss)
     errors = {"loss": (loss - reference.loss).abs().item()}
     errors["logits"] = (out.logits - reference.logits[:, piece]).abs().max().item()
-    for name, p in model.named_parameters():
-        if name in reference_grads:
-            grad = p.grad.clone()
-            dist.all_reduce(grad)
-            errors[name] = (grad - reference_grads[name]).abs().max().item()
+    errors.update(gradient_errors(model, reference_grads))
     # transformers' masked-LM loss sums in float32 (it casts the logits), so its sum over ranks keeps float32 rounding
-    tolerances = {name: 1e-6 if name == "loss" and family == "roberta" else 1e-10 for name in errors}
-    worst = max(errors, key=lambda name: errors[name] / tolerances[name])
-    print(f"rank {rank}/{size} {case}: largest difference {errors[worst]:.2e} ({worst}), loss {reference.loss:.4f}")
-    if errors[worst] > tolerances[worst]:
-        sys.exit(f"rank {rank}: {case}: {worst} differ by {errors[worst]:.3e}")
+    tolerances = {"loss": 1e-6} if family == "roberta" else {}
+    check(errors, tolerances, f"rank {rank}/{size} {case}", f"loss {reference.loss:.4f}")
 
 
 def main():

@@ -53,6 +53,7 @@ import torch
 import torch.distributed as dist
 
 from .attention_kernels import causal_linear_attention
+from .attention_state import LinearAttentionState
 
 
 @dataclass(frozen=True)
@@ -161,10 +162,11 @@ def refuse_in_context_parallel(what: str):
         raise ValueError(f"Context parallelism cannot split {what}: call it outside context_parallel")
 
 
-def incoming_counters(positions, mask, batch_size: int, num_tokens: int, device, cp: ContextParallelGroup, state_class):
-    """The counters a recurrent state would hold after the earlier ranks' tokens: a ``state_class`` (a
-    ``LinearAttentionState``) with ``num_tokens`` (B,) real tokens before this rank and ``last_position`` (B,)
-    the last of them's position. positions (B, N, A) given ones, or None for defaults; mask (B, N) bool or None."""
+def incoming_counters(positions, mask, batch_size: int, num_tokens: int, device, cp: ContextParallelGroup):
+    """The counters a recurrent state would hold after the earlier ranks' tokens: a ``LinearAttentionState`` with
+    ``num_tokens`` (B,) real tokens before this rank and ``last_position`` (B,) the last of them's position (one
+    all-gather of two numbers a row). positions (B, N, A) given ones, or None for defaults; mask (B, N) bool or
+    None. A model gathers them once for all its layers."""
     B, N, given_positions = batch_size, num_tokens, positions is not None
     real = mask if mask is not None else torch.ones(B, N, dtype=torch.bool, device=device)
     count = real.long().sum(-1)
@@ -174,7 +176,7 @@ def incoming_counters(positions, mask, batch_size: int, num_tokens: int, device,
         last = torch.where(index >= 0, positions[..., 0].gather(-1, index.clamp_min(0)[:, None])[:, 0], last)
     counts, lasts = (torch.stack(gathered(x, cp)) for x in (count, last))  # (ranks, B)
     before = counts[: cp.rank].sum(0)
-    state = state_class()
+    state = LinearAttentionState()
     state.num_tokens = before
     if given_positions:  # the last real position of the latest earlier rank that had a real token
         seen = counts[: cp.rank] > 0
@@ -186,6 +188,16 @@ def incoming_counters(positions, mask, batch_size: int, num_tokens: int, device,
     state.document = torch.zeros_like(before)
     state.given_positions = given_positions
     return state
+
+
+def refuse_packed_bidirectional_rows(starts, device, cp: ContextParallelGroup):
+    """Raise on every rank where any rank's bidirectional rows hold packed documents (``starts`` (B, N) bool or
+    None): a document that crosses a rank boundary would need a state per document. One all-reduce, read here."""
+    if summed(torch.tensor(float(starts is not None), device=device), cp) > 0:
+        raise ValueError(
+            "Context parallelism does not take packed documents in bidirectional attention (a document that "
+            "crosses a rank boundary would need a state per document); give each row one document"
+        )
 
 
 def causal_product(q, k, v, log_gates, resets, with_denominator, chunk_size, backend, cp: ContextParallelGroup):

@@ -25,8 +25,8 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
 from .attention_options import AttentionOptions
-from .attention_state import LinearAttentionState, ValueHistory
-from .context_parallel import active_group, incoming_counters, summed
+from .attention_state import ValueHistory
+from .context_parallel import active_group, incoming_counters, refuse_packed_bidirectional_rows
 from .kernel_attention import KernelAttention
 from .positional_encoding import NoPositionalEncoding
 from .positions import check_position_ids, default_position_ids, find_documents, mask_as_bool, position_steps
@@ -189,14 +189,17 @@ class LinearAttention(nn.Module):
         softmax_implementation="sdpa",
         consecutive=None,
         count_tokens=True,
+        counters=None,
     ):
         """``documents``: ``find_documents(...)`` of these inputs when the caller has it (a model computes it
         once for all its layers); ``consecutive``: whether every row's positions are the defaults without padding
         (each token one past the one before), which a caller that passes the positions it made knows; None: whether
-        no positions and no padding were given; ``count_tokens``: whether the state's counters advance here."""
+        no positions and no padding were given; ``count_tokens``: whether the state's counters advance here;
+        ``counters``: inside ``context_parallel``, ``incoming_counters(...)`` of these inputs when the caller has
+        them (a model gathers them once for all its layers)."""
         out = self.attend(
             hidden_states, attention_mask, position_ids, state, shared_draw, documents, None, softmax_implementation,
-            consecutive, count_tokens,
+            consecutive, count_tokens, counters,
         )  # fmt: skip
         B, N = hidden_states.shape[:2]
         return self.o_proj(out.transpose(1, 2).reshape(B, N, self.hidden_size))
@@ -223,6 +226,7 @@ class LinearAttention(nn.Module):
         softmax_implementation="sdpa",
         consecutive=None,
         count_tokens=True,
+        counters=None,
     ):
         """The heads' outputs before the output projection, (B, H, N, d): ``forward`` without ``o_proj``.
         ``values`` (B, H, N, d') replace the projected values (``attention_weights``)."""
@@ -238,9 +242,10 @@ class LinearAttention(nn.Module):
             positions = self.positions(position_ids, mask, state, B, N, hidden_states.device)
         else:  # this rank's slice: positions continue from the earlier ranks' tokens, as from a recurrent state
             self.check_context_parallel(state)
-            given = None if position_ids is None else self.positions(position_ids, mask, None, B, N, hidden_states.device)
-            state = incoming_counters(given, mask, B, N, hidden_states.device, cp, LinearAttentionState)
-            positions = given if given is not None else self.positions(None, mask, state, B, N, hidden_states.device)
+            device = hidden_states.device
+            given = None if position_ids is None else self.positions(position_ids, mask, None, B, N, device)
+            state = counters if counters is not None else incoming_counters(given, mask, B, N, device, cp)
+            positions = given if given is not None else self.positions(None, mask, state, B, N, device)
         if self.standalone and self.training:
             self.redraw_random_features()
         if shared_draw is None and self.shared_codes is not None:
@@ -258,14 +263,9 @@ class LinearAttention(nn.Module):
             documents = None, None
         elif documents is None:
             documents = find_documents(positions, mask, state, given_positions=position_ids is not None)
+            if cp is not None and not self.options.causal and position_ids is not None:
+                refuse_packed_bidirectional_rows(documents[0], hidden_states.device, cp)
         starts, documents = documents
-        if cp is not None and not self.options.causal and position_ids is not None:
-            packed = summed(torch.tensor(float(starts is not None), device=hidden_states.device), cp)
-            if packed > 0:
-                raise ValueError(
-                    "Context parallelism does not take packed documents in bidirectional attention (a document that "
-                    "crosses a rank boundary would need a state per document); give each row one document"
-                )
         path_state = None
         if state is not None and cp is None:
             state.path = state.path if state.path is not None else self.attention.State()

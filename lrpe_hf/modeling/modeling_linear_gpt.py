@@ -250,7 +250,7 @@ class LinearGPTForCausalLM(LinearGPTPreTrainedModel, GenerationMixin):
         )
         check_token_labels(labels, *outputs.last_hidden_state.shape[:2], type(self).__name__)
         if labels is not None and kwargs.get("shift_labels") is None:
-            refuse_in_context_parallel("labels that are shifted here: pass shift_labels, shifted over the whole sequence")
+            refuse_in_context_parallel("labels shifted here: pass shift_labels, shifted over the whole sequence")
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         hidden = outputs.last_hidden_state[:, keep]
         logits = self.lm_head(hidden)

@@ -61,8 +61,8 @@ class PositionalEncodingEntry:
         query_key_dim: ``query_key_dim(options, head_dim)``, the width of queries and keys after
             ``encode_query_key`` when the encoding changes it (SPE: its number of realizations); ``None``: head_dim.
         default_feature_map: the feature map its paper pairs it with, used when ``feature_map`` is not set.
-        causal_only: it weighs keys by how far back they are (a ``log_decay``), so a bidirectional config (LinearRoberta,
-            LinearViT) is refused when built.
+        causal_only: it weighs keys by how far back they are (a ``log_decay``), so a bidirectional config
+            (LinearRoberta, LinearViT) is refused when built.
     """
 
     builder: Callable

@@ -92,10 +92,11 @@ class LinearTransformerLayer(GradientCheckpointingLayer):
         documents=None,
         consecutive=None,
         count_tokens=True,
+        counters=None,
     ):
         """hidden_states (B, N, hidden) -> (B, N, hidden). ``shared_tables``: the shared draw's tables, passed as
         tensors so that gradient checkpointing sees them (see ``SPEDraw.with_tables``); ``documents``,
-        ``consecutive``, ``count_tokens``: as ``LinearAttention.forward`` takes them."""
+        ``consecutive``, ``count_tokens``, ``counters``: as ``LinearAttention.forward`` takes them."""
         if shared_tables:
             shared_draw = shared_draw.with_tables(shared_tables)
         attend = dict(
@@ -107,6 +108,7 @@ class LinearTransformerLayer(GradientCheckpointingLayer):
             consecutive=consecutive,
             softmax_implementation=self.config._attn_implementation,
             count_tokens=count_tokens,
+            counters=counters,
         )
         if self.pre_norm:
             hidden_states = hidden_states + self.dropout(

@@ -11,8 +11,7 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers import initialization as init
 
-from .attention_state import LinearAttentionState
-from .context_parallel import active_group, incoming_counters
+from .context_parallel import active_group, incoming_counters, refuse_packed_bidirectional_rows
 from .positions import check_values, find_documents
 from .registry import positional_encoding_entry
 from .reinitialisable import Reinitialisable
@@ -64,13 +63,17 @@ class LinearTransformerStack(nn.Module):
         shared_tables = shared_draw.tables() if shared_draw is not None and hasattr(shared_draw, "tables") else []
         documents = None  # packed rows: found once for every layer (they all see the same tokens and positions)
         consecutive = not given_positions and attention_mask is None and position_ids.dim() == 2
+        counters = None  # context parallelism: the earlier ranks' position counters, gathered once for every layer
+        cp = active_group()
+        if cp is not None and positions.shape[-1] == 1:
+            B, N = positions.shape[:2]
+            given = positions if given_positions else None
+            counters = incoming_counters(given, attention_mask, B, N, positions.device, cp)
         if positions.shape[-1] == 1:
-            first_state = cache.states[0] if cache is not None else None
-            cp = active_group()
-            if cp is not None and given_positions:  # a document may start at this slice's first token
-                B, N = positions.shape[:2]
-                first_state = incoming_counters(positions, attention_mask, B, N, positions.device, cp, LinearAttentionState)
+            first_state = cache.states[0] if cache is not None else counters
             documents = find_documents(positions, attention_mask, first_state, given_positions)
+            if counters is not None and given_positions and not self.layers[0].self_attn.options.causal:
+                refuse_packed_bidirectional_rows(documents[0], positions.device, cp)
         all_hidden_states = [] if output_hidden_states else None
         all_attentions = [] if output_attentions else None
         for index, layer in enumerate(self.layers):
@@ -89,6 +92,7 @@ class LinearTransformerStack(nn.Module):
                 documents=documents,
                 consecutive=consecutive,
                 count_tokens=False,
+                counters=counters,
             )
         if cache is not None:  # every layer saw these tokens: their counters advance once, after all have read them
             if documents is None:
