@@ -84,8 +84,8 @@ def save_tiny_bert(workspace, folder, max_position_embeddings: int):
     return folder
 
 
-def train_to_repeat(model, steps: int = 200, period: int = 6, seed: int = 0):
-    """Trains a causal LM in place (AdamW, 200 steps of 16 rows: about a second) to continue a sequence by
+def train_to_repeat(model, steps: int = 300, period: int = 6, seed: int = 0):
+    """Trains a causal LM in place (AdamW, 300 steps of 16 rows: about two seconds) to continue a sequence by
     repeating its last ``period`` tokens, and returns it in eval mode. An untrained model emits nearly the same tokens
     whatever its context, so a test of generation that compares tokens could not fail; this one's next tokens are
     read from its prompt."""
