@@ -1,35 +1,43 @@
-"""The GPU check: correctness of fla's path against the torch path on the same GPU, then speed and memory side by
-side, in one command that stays under about 8 minutes on one H100 and writes everything under one folder.
+"""The GPU check: speed and memory side by side, then correctness of fla's path against the torch path on the same
+GPU, in one command that stays under about 9 minutes on one H100 and writes everything under one folder.
 
     make gpu-check                                                   # on a CUDA machine: out/gpu_check/
     python benchmarks/gpu_check.py --dry-run --out out/gpu_check_dry # the rehearsal: CPU, tiny sizes (CI runs it)
 
-Parts, each with its own time limit (10 s of grace, then a TimeoutError; all of them together
-9 minutes at most), each recorded as it ends (a part that
-fails or runs out of time leaves its error and the rows it wrote, and the others still run):
+Each part runs in a process of its own under its own time limit and is recorded as it ends: a part that fails,
+crashes or runs out of time leaves its status, its log (``<part>.log``) and the rows it wrote, and the others still
+run. The speed comes first: it is what a short lease must not lose.
 
-1. ``pytest -m gpu``: the GPU tests (tests/test_properties.py, tests/test_triton_adapter.py).
-2. ``train_steps.csv``: a LinearGPT train step (2 x 256, 4 heads, 1,024 tokens, batch 2) for every encoding, and
-   the exp, relu and hedgehog maps once each, in fp32 and under bf16 autocast, on padded rows and on packed rows
+fla's kernels search their Triton configurations on the first call of each shape and dtype, compiling every
+candidate: on a fresh H100 one train step's kernels took about 100 s (48 candidates for some kernels). So the check
+keeps at most 4 candidates a kernel in the speed parts (the same ones for fla's kernel alone and for our layers, so
+the ratios are fair; the preferred are 4 or 8 warps, 2 or 3 stages, the largest tiles) and 1 in the correctness
+parts (a result does not depend on the tiling); ``--full-autotune`` keeps fla's whole search. The record says which.
+
+1. ``benchmarks/benchmark_attention.py`` (bf16, causal, 4k/16k/32k, none, rope, lrpe_orthogonal, permute, fastrpb,
+   spe_sine): each layer against its projections, fla's kernel alone and SDPA's softmax layer.
+2. ``benchmarks/benchmark_models.py`` (bf16): LinearGPT against GPT-2 (SDPA), training at 2k/8k/32k (GPT-2 up
+   to 8k), decoding at 256, 4k and 64k context, eager and as CUDA graphs, peak memory.
+3. ``train_steps.csv``: a LinearGPT train step (2 x 256, 4 heads, 1,024 tokens, batch 2) for every encoding, and
+   the exp, relu and hedgehog maps once each, in fp32 (torch's default precision: fla's kernels then do not run, as
+   they would multiply in TF32), in fp32 with TF32 allowed (``torch.set_float32_matmul_precision("high")``, both
+   paths) and under bf16 autocast, on padded rows and on packed rows
    (restarting position_ids): ``kernel_backend="auto"`` (fla's kernels where they run) against ``"torch"`` with
    the same weights and batch: the losses' relative difference, the gradients' cosine similarity and relative
    error, finiteness, and how many causal products went to fla's kernels (``fla_calls``: 0 means the torch path
    ran, as it does for gated backward passes on Hopper with Triton < 3.7.1).
-3. ``families.csv``: LinearRoberta and LinearViT forward+backward under bf16 autocast, finite.
-4. ``decoding.csv``: 64 greedy tokens from ``generate`` eager and with the forward compiled
+4. ``families.csv``: LinearRoberta and LinearViT forward+backward under bf16 autocast, finite.
+5. ``decoding.csv``: 64 greedy tokens from ``generate`` eager and with the forward compiled
    (``mode="reduce-overhead"``, CUDA graphs on a GPU): the same tokens, the largest logit difference, the graphs
    and recompilations dynamo counted, and ms per token of each (after a warm-up call). The cache is not
    compileable (``LinearAttentionCache.is_compileable`` is False), so transformers' own compiled decoding does not
    apply; this is the compiled path a user takes.
-5. ``benchmarks/benchmark_attention.py`` (bf16, causal, 4k/16k/32k, none, rope, lrpe_orthogonal, permute, fastrpb,
-   spe_sine): each layer against its projections, fla's kernel alone and SDPA's softmax layer.
-6. ``benchmarks/benchmark_models.py`` (bf16): LinearGPT against GPT-2 (SDPA), training at 2k/8k/32k (GPT-2 up
-   to 8k), decoding at 256, 4k and 64k context, eager and as CUDA graphs, peak memory.
+6. ``pytest -m gpu``: the GPU tests (tests/test_properties.py, tests/test_triton_adapter.py).
 
 ``record.json`` holds the device, driver, versions (torch, Triton, fla-core, transformers), the commit (``--commit``
-or ``GPU_CHECK_COMMIT``: the machine's copy of the tree may have no git history), the command and each part's
-status and seconds. Everything is packed into ``gpu_check.tar.gz`` beside the folder's files, one file to bring
-back.
+or ``GPU_CHECK_COMMIT``: the machine's copy of the tree may have no git history), the command, the candidates kept
+per kernel and each part's status and seconds. Everything is packed into ``gpu_check.tar.gz`` beside the folder's
+files, one file to bring back.
 """
 
 import argparse
@@ -38,12 +46,11 @@ import importlib.metadata
 import json
 import os
 import platform
-import signal
+import runpy
 import subprocess
 import sys
 import tarfile
 import time
-import traceback
 from pathlib import Path
 
 import torch
@@ -64,7 +71,7 @@ def sizes(dry_run: bool) -> dict:
             attention=["--lengths", "64", "--reps", "1", "--encodings", "none", "rope"],
             models=["--lengths", "64", "--contexts", "32", "--batch-contexts", "--reps", "1", "--encodings", "none",
                     "none+compile", "--gpt2-max", "64"],
-            limits=dict(pytest=300, train_steps=300, families=120, decoding=300, attention=300, models=300),
+            limits=dict(attention=300, models=300, train_steps=300, families=120, decoding=300, pytest=300),
         )  # fmt: skip
     return dict(
         device="cuda", tokens=1024, hidden=256, layers=2, heads=4, new_tokens=64,
@@ -74,7 +81,7 @@ def sizes(dry_run: bool) -> dict:
         models=["--lengths", "2048", "8192", "32768", "--contexts", "256", "4096", "65536", "--batch-contexts", "256",
                 "--reps", "3", "--encodings", "none", "rope", "permute", "none+graphs", "rope+graphs",
                 "--gpt2-max", "8192"],
-        limits=dict(pytest=45, train_steps=100, families=20, decoding=60, attention=110, models=130),
+        limits=dict(attention=130, models=150, train_steps=100, families=25, decoding=60, pytest=45),
     )  # fmt: skip
 
 
@@ -133,13 +140,19 @@ def train_step(model, batch, dtype, device):
     return loss.float().item(), grads
 
 
+# fp32 at torch's default matmul precision ("highest") runs the torch path on a GPU (fla's kernels multiply in TF32);
+# "high" allows TF32 for both paths
+PRECISIONS = (("fp32", torch.float32, "highest"), ("tf32", torch.float32, "high"), ("bf16", torch.bfloat16, "highest"))
+
+
 def part_train_steps(out: Path, s: dict):
     device = s["device"]
     cases = [(encoding, None) for encoding in lrpe_hf.POSITIONAL_ENCODINGS] + [("none", m) for m in MAPS_ONCE]
     rows = []
     for encoding, feature_map in cases:
         models = {backend: gpt(encoding, feature_map, backend, s, device).train() for backend in ("auto", "torch")}
-        for dtype_name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        for dtype_name, dtype, precision in PRECISIONS:
+            torch.set_float32_matmul_precision(precision)
             for layout, batch in batches(s, device).items():
                 with FlaCalls() as calls:
                     loss, grads = train_step(models["auto"], batch, dtype, device)
@@ -222,7 +235,8 @@ def part_decoding(out: Path, s: dict):
                 unique_graphs=counters["stats"]["unique_graphs"],
                 graphs_in_timed_call=counters["stats"]["unique_graphs"] - graphs_before,
                 recompilations=sum(counters["recompiles"].values()),
-                graph_breaks=sum(counters["graph_break"].values()), eager_ms_per_token=eager_ms,
+                graph_breaks=sum(counters["graph_break"].values()),
+                cudagraph_skips=counters["inductor"]["cudagraph_skips"], eager_ms_per_token=eager_ms,
                 compiled_ms_per_token=compiled_ms,
             )
         )  # fmt: skip
@@ -231,21 +245,24 @@ def part_decoding(out: Path, s: dict):
 
 
 def benchmark(script: str, folder: str, dtype_arguments: list):
+    """A part that runs one of the benchmark scripts (in this process, so that the autotuning limit applies)."""
+
     def run(out: Path, s: dict):
-        command = [sys.executable, str(ROOT / "benchmarks" / script), "--device", s["device"], *dtype_arguments]
-        command += [*s[folder], "--out", str(out / folder)]
-        subprocess.run(command, check=True, timeout=s["limits"][folder])
+        path = ROOT / "benchmarks" / script
+        sys.argv = [str(path), "--device", s["device"], *dtype_arguments, *s[folder], "--out", str(out / folder)]
+        runpy.run_path(str(path), run_name="__main__")
 
     return run
 
 
 def part_pytest(out: Path, s: dict):
-    command = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider"]
-    command += ["tests/test_properties.py", "tests/test_triton_adapter.py"]
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=s["limits"]["pytest"])
-    (out / "pytest.txt").write_text(result.stdout[-20000:] + result.stderr[-5000:])
-    if result.returncode not in (0, 5):  # 5: every test deselected or skipped (no GPU)
-        raise RuntimeError(f"pytest -m gpu exited {result.returncode}: {result.stdout[-1000:]}")
+    import pytest
+
+    arguments = ["-q", "-m", "gpu", "-p", "no:cacheprovider", "tests/test_properties.py", "tests/test_triton_adapter.py"]
+    os.chdir(ROOT)
+    code = pytest.main(arguments)
+    if code not in (0, 5):  # 5: every test deselected or skipped (no GPU)
+        raise RuntimeError(f"pytest -m gpu exited {code}")
 
 
 def write_csv(path: Path, rows: list[dict]):
@@ -280,17 +297,65 @@ def device_facts(device: str) -> dict:
 
 
 PARTS = {
-    "pytest": part_pytest,
+    "attention": benchmark("benchmark_attention.py", "attention", ["--dtype", "bf16"]),
+    "models": benchmark("benchmark_models.py", "models", ["--dtype", "bf16"]),
     "train_steps": part_train_steps,
     "families": part_families,
     "decoding": part_decoding,
-    "attention": benchmark("benchmark_attention.py", "attention", ["--dtype", "bf16"]),
-    "models": benchmark("benchmark_models.py", "models", ["--dtype", "bf16"]),
+    "pytest": part_pytest,
 }
+SPEED_PARTS = ("attention", "models")
 
 
-def out_of_time(signum, frame):
-    raise TimeoutError("the part ran past its time limit (sizes()' limits); its rows so far are written")
+def limit_autotuning(candidates: int):
+    """Let every Triton autotuner (fla's kernels') try at most ``candidates`` configurations: those with 4 or 8 warps
+    and 2 or 3 stages where it has some, the largest tiles first. With one left, Triton compiles it and times none."""
+    from triton.runtime.autotuner import Autotuner
+
+    search = Autotuner.prune_configs
+
+    def preferred(config):
+        tile = 1
+        for value in config.kwargs.values():
+            tile *= value if isinstance(value, int) else 1
+        return (config.num_warps not in (4, 8), config.num_stages not in (2, 3), -tile, config.num_warps)
+
+    def prune_configs(self, kwargs):
+        return sorted(search(self, kwargs), key=preferred)[:candidates]
+
+    Autotuner.prune_configs = prune_configs
+
+
+def autotune_candidates(name: str, full_autotune: bool) -> int | None:
+    """How many configurations each kernel may try in part ``name``: None for fla's whole search."""
+    if full_autotune:
+        return None
+    return 4 if name in SPEED_PARTS else 1
+
+
+def run_child(name: str, args) -> None:
+    """One part, in this (child) process: its rows go to args.out, its output to the parent's log of it."""
+    s = sizes(args.dry_run)
+    candidates = autotune_candidates(name, args.full_autotune)
+    if candidates is not None and s["device"] == "cuda":
+        limit_autotuning(candidates)
+    PARTS[name](args.out, s)
+
+
+def run_part(name: str, args, s: dict) -> str:
+    """Run part ``name`` in a child process under its time limit; return its status."""
+    command = [sys.executable, __file__, "--child", name, "--out", str(args.out)]
+    command += ["--dry-run"] * args.dry_run + ["--full-autotune"] * args.full_autotune
+    log = args.out / f"{name}.log"
+    with open(log, "w") as output:
+        try:
+            result = subprocess.run(command, stdout=output, stderr=subprocess.STDOUT, timeout=s["limits"][name])
+        except subprocess.TimeoutExpired:
+            return f"stopped at its time limit ({s['limits'][name]} s); its rows so far are written"
+    if result.returncode == 0:
+        return "ok"
+    last_lines = log.read_text(errors="replace").strip().splitlines()[-3:]
+    return f"failed: exit code {result.returncode}: " + " | ".join(last_lines)
 
 
 def main():
@@ -298,16 +363,21 @@ def main():
     parser.add_argument("--out", type=Path, default=ROOT / "out" / "gpu_check")
     parser.add_argument("--dry-run", action="store_true", help="the rehearsal: CPU, tiny sizes, seconds")
     parser.add_argument("--parts", nargs="+", choices=list(PARTS), default=list(PARTS))
+    parser.add_argument("--full-autotune", action="store_true", help="let fla's kernels try all their configurations")
     parser.add_argument("--commit", default=os.environ.get("GPU_CHECK_COMMIT"), help="the commit of the tree run")
+    parser.add_argument("--child", choices=list(PARTS), help=argparse.SUPPRESS)  # one part, run by the parent
     args = parser.parse_args()
+    if args.child:
+        return run_child(args.child, args)
     s = sizes(args.dry_run)
-    signal.signal(signal.SIGALRM, out_of_time)
     if s["device"] == "cuda" and not torch.cuda.is_available():
         sys.exit("no CUDA device: run the rehearsal with --dry-run")
     args.out.mkdir(parents=True, exist_ok=True)
     record = {
         "written_by": "benchmarks/gpu_check.py", "command": " ".join(["python", *sys.argv]), "commit": args.commit,
-        "dry_run": args.dry_run, **device_facts(s["device"]), "versions": versions(), "parts": {},
+        "dry_run": args.dry_run, **device_facts(s["device"]), "versions": versions(),
+        "autotune_candidates_per_kernel": {name: autotune_candidates(name, args.full_autotune) for name in PARTS},
+        "parts": {},
     }  # fmt: skip
     if s["device"] == "cuda":
         from lrpe_hf.modeling import products_triton
@@ -317,15 +387,7 @@ def main():
             record["fla_gated_backward_fails_bf16"] = products_triton.gated_backward_fails(torch.bfloat16)
     for name in args.parts:
         start = time.perf_counter()
-        signal.alarm(s["limits"][name] + 10)  # past its limit a part stops (TimeoutError) and the next one runs
-        try:
-            PARTS[name](args.out, s)
-            status = "ok"
-        except Exception as error:
-            status = f"failed: {type(error).__name__}: {error}"
-            traceback.print_exc()
-        finally:
-            signal.alarm(0)
+        status = run_part(name, args, s)
         record["parts"][name] = {"status": status, "seconds": round(time.perf_counter() - start, 1)}
         print(f"== {name}: {status} ({record['parts'][name]['seconds']} s)", flush=True)
         (args.out / "record.json").write_text(json.dumps(record, indent=2))

@@ -208,7 +208,8 @@ def test_the_gpu_check_rehearses_every_part_on_the_cpu(tmp_path):
     with open(out / "train_steps.csv") as f:
         steps = list(csv.DictReader(f))
     cases = {(row["encoding"], row["feature_map"]) for row in steps}
-    assert len(cases) == len(lrpe_hf.POSITIONAL_ENCODINGS) + 3 and len(steps) == 4 * len(cases)  # fp32/bf16 x padded/packed
+    assert len(cases) == len(lrpe_hf.POSITIONAL_ENCODINGS) + 3
+    assert len(steps) == 6 * len(cases)  # fp32, tf32, bf16 x padded, packed
     assert all(row["finite"] == "True" and float(row["gradient_cosine"]) > 0.999 for row in steps)
     with open(out / "decoding.csv") as f:
         (decoding,) = list(csv.DictReader(f))

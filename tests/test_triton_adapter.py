@@ -416,19 +416,52 @@ def test_a_forced_triton_backend_says_why_it_cannot_run():
 # fla's kernels compute their dot products in TF32 (fp32 inputs) or bf16, and keep states in fp32: tolerances
 # relative to the outputs' scale, from those precisions
 GPU_TOLERANCE = {torch.float32: 2e-3, torch.bfloat16: 3e-2}
+needs_gpu_and_fla = pytest.mark.skipif(
+    not torch.cuda.is_available() or not products_triton.fla_installed(), reason="needs a CUDA device and fla-core"
+)
+
+
+@pytest.fixture
+def float32_matmul_precision():
+    """Set torch's float32 matmul precision for one test: yields the setter, restores the precision after."""
+    previous = torch.get_float32_matmul_precision()
+    yield torch.set_float32_matmul_precision
+    torch.set_float32_matmul_precision(previous)
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(
-    not torch.cuda.is_available() or not products_triton.fla_installed(), reason="needs a CUDA device and fla-core"
-)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@needs_gpu_and_fla
+def test_float32_on_a_gpu_takes_flas_kernels_only_where_tf32_is_allowed(float32_matmul_precision, monkeypatch):
+    """fla's kernels multiply float32 in TF32: at torch's default precision ('highest') a float32 product takes the
+    torch path on 'auto' and 'triton' says why; with TF32 allowed ('high') fla's kernels take it."""
+    from lrpe_hf.modeling import attention_kernels
+
+    calls = []
+    original = attention_kernels.fla_causal_product
+    monkeypatch.setattr(attention_kernels, "fla_causal_product", lambda *a, **k: calls.append(1) or original(*a, **k))
+    backends = ("auto", "torch", "triton")
+    layers = {b: make_layer("none", causal=True, kernel_backend=b).float().cuda() for b in backends}
+    x = torch.randn(1, 70, 16, device="cuda")
+    float32_matmul_precision("highest")
+    torch.testing.assert_close(layers["auto"](x), layers["torch"](x), rtol=0, atol=0)
+    assert not calls
+    with pytest.raises(ValueError, match="'triton' cannot run this product: fla's kernels multiply float32 inputs"):
+        layers["triton"](x)
+    float32_matmul_precision("high")
+    layers["auto"](x)
+    assert calls
+
+
+@pytest.mark.gpu
+@needs_gpu_and_fla
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["tf32", "bf16"])
 @pytest.mark.parametrize(
     "encoding,feature_map", [("none", "elu"), ("permute", "relu"), ("rope", "exp"), ("lrpe_orthogonal", "elu")]
 )
-def test_the_triton_path_on_a_gpu_matches_the_torch_path(encoding, feature_map, dtype):
+def test_the_triton_path_on_a_gpu_matches_the_torch_path(encoding, feature_map, dtype, float32_matmul_precision):
     """fla's real kernels against the torch path on the same GPU: forward and gradients, with padding and packed
-    documents, then prefill and decoding."""
+    documents, then prefill and decoding. float32 with TF32 allowed, as fla's kernels need it."""
+    float32_matmul_precision("high")
     torch.manual_seed(0)
     layers = {
         backend: make_layer(encoding, hidden_size=128, num_heads=2, feature_map=feature_map, causal=True,

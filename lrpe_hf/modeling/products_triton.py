@@ -93,6 +93,11 @@ def can_run(q, v, dtype, gated_backward: bool) -> str | None:
         return "its inputs are not on a CUDA device"
     if dtype == torch.float64:
         return "fla's kernels compute in float32 at most (float64 inputs would come back wrong)"
+    if dtype == torch.float32 and q.is_cuda and torch.get_float32_matmul_precision() == "highest":
+        return (
+            "fla's kernels multiply float32 inputs in TF32 on a GPU, which torch's float32 matmul precision "
+            "'highest' (its default) does not allow; torch.set_float32_matmul_precision('high') allows it"
+        )
     if max(q.shape[-1], v.shape[-1]) > MAX_WIDTH:
         return f"query width {q.shape[-1]} or value width {v.shape[-1]} is above {MAX_WIDTH}"
     why_not = load_fla()[1]
