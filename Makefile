@@ -127,7 +127,7 @@ test-triton: $(TRITON_TARGET)/.installed
 
 # The GPU check (benchmarks/gpu_check.py): on a machine with a CUDA GPU, its own Python (GPU_PYTHON) with torch,
 # transformers and accelerate, and fla-core (`pip install ".[gpu]"`, or its wheel unpacked on PYTHONPATH), from this
-# working tree. Writes $(GPU_OUT)/ and packs it into $(GPU_OUT)/gpu_check.tar.gz; under 8 minutes on one H100.
+# working tree. Writes $(GPU_OUT)/ and packs it into $(GPU_OUT)/gpu_check.tar.gz; its parts stop at 9 minutes together.
 # gpu-check-dry-run is its rehearsal on the CPU at tiny sizes (the tests run it too).
 GPU_PYTHON ?= python3
 GPU_OUT ?= out/gpu_check

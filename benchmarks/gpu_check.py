@@ -14,6 +14,15 @@ keeps at most 4 candidates a kernel in the speed parts (the same ones for fla's 
 the ratios are fair; the preferred are 4 or 8 warps, 2 or 3 stages, the largest tiles) and 1 in the correctness
 parts (a result does not depend on the tiling); ``--full-autotune`` keeps fla's whole search. The record says which.
 
+0. ``fla_shapes.csv``: fla's chunked kernel alone, bf16, forward and backward, at the widths our layers hand it
+   (64x64 heads, the 64x2 key sums of a decayed denominator, SPE's 32x64), ungated and with one decay per head, on
+   one 8k sequence and on packed documents, with ``CUDA_LAUNCH_BLOCKING=1``: which of them run, raise or crash (an
+   illegal memory access ended the first H100 run's speed parts, at permute's decayed product and at an SPE
+   backward). A case that kills its process is recorded and the next one starts in a new process.
+0. ``overhead_syncs.csv``, ``overhead_top_ops.csv``: a LinearGPT bf16 train step at 4k for none, lrpe_orthogonal
+   and permute: every host synchronisation our code asks for (CUDA's sync debug mode, by source line) and the
+   profiler's top ops by CPU time. The first H100 run's steps took about as long at 2k tokens as at 8k, and the
+   linear product alone 2.4 ms at 4k against fla's 0.47 ms: fixed costs on the host, which this part locates.
 1. ``benchmarks/benchmark_attention.py`` (bf16, causal, 4k/16k/32k, none, rope, lrpe_orthogonal, permute, fastrpb,
    spe_sine): each layer against its projections, fla's kernel alone and SDPA's softmax layer.
 2. ``benchmarks/benchmark_models.py`` (bf16): LinearGPT against GPT-2 (SDPA), training at 2k/8k/32k (GPT-2 up
@@ -34,14 +43,18 @@ parts (a result does not depend on the tiling); ``--full-autotune`` keeps fla's 
    apply; this is the compiled path a user takes.
 6. ``pytest -m gpu``: the GPU tests (tests/test_properties.py, tests/test_triton_adapter.py).
 
-``record.json`` holds the device, driver, versions (torch, Triton, fla-core, transformers), the commit (``--commit``
-or ``GPU_CHECK_COMMIT``: the machine's copy of the tree may have no git history), the command, the candidates kept
-per kernel and each part's status and seconds. Everything is packed into ``gpu_check.tar.gz`` beside the folder's
-files, one file to bring back.
+A benchmark stopped before its end (a crash, its time limit) leaves the rows it printed in
+``<part>_rows_before_stop.csv``. ``record.json`` (the docs' provenance format) holds the command, the commit (where
+the machine's copy of the tree has no git history, ``--commit`` or ``GPU_CHECK_COMMIT``: the caller's word that it
+is a clean copy of that commit), the device, driver and versions (torch, Triton, fla-core, transformers), the
+candidates kept per kernel and each part's status and seconds. Everything is packed into ``gpu_check.tar.gz``
+beside the folder's files, one file to bring back.
 """
 
 import argparse
+import ast
 import csv
+import faulthandler
 import importlib.metadata
 import json
 import os
@@ -71,7 +84,9 @@ def sizes(dry_run: bool) -> dict:
             attention=["--lengths", "64", "--reps", "1", "--encodings", "none", "rope"],
             models=["--lengths", "64", "--contexts", "32", "--batch-contexts", "--reps", "1", "--encodings", "none",
                     "none+compile", "--gpt2-max", "64"],
-            limits=dict(attention=300, models=300, train_steps=300, families=120, decoding=300, pytest=300),
+            shape_tokens=256, overhead_tokens=64, overhead=["none"],
+            limits=dict(fla_shapes=300, overhead=300, attention=300, models=300, train_steps=300, families=120, decoding=300,
+                        pytest=300),
         )  # fmt: skip
     return dict(
         device="cuda", tokens=1024, hidden=256, layers=2, heads=4, new_tokens=64,
@@ -81,7 +96,9 @@ def sizes(dry_run: bool) -> dict:
         models=["--lengths", "2048", "8192", "32768", "--contexts", "256", "4096", "65536", "--batch-contexts", "256",
                 "--reps", "3", "--encodings", "none", "rope", "permute", "none+graphs", "rope+graphs",
                 "--gpt2-max", "8192"],
-        limits=dict(attention=130, models=150, train_steps=100, families=25, decoding=60, pytest=45),
+        shape_tokens=8192, overhead_tokens=4096, overhead=["none", "lrpe_orthogonal", "permute"],
+        limits=dict(fla_shapes=60, overhead=40, attention=110, models=130, train_steps=80, families=25, decoding=45,
+                    pytest=45),
     )  # fmt: skip
 
 
@@ -154,8 +171,10 @@ def part_train_steps(out: Path, s: dict):
         for dtype_name, dtype, precision in PRECISIONS:
             torch.set_float32_matmul_precision(precision)
             for layout, batch in batches(s, device).items():
+                torch.manual_seed(1)  # SPE draws fresh codes in training mode: the same draw for both paths
                 with FlaCalls() as calls:
                     loss, grads = train_step(models["auto"], batch, dtype, device)
+                torch.manual_seed(1)
                 reference_loss, reference = train_step(models["torch"], batch, dtype, device)
                 rows.append(
                     dict(
@@ -244,6 +263,131 @@ def part_decoding(out: Path, s: dict):
         write_csv(out / "decoding.csv", rows)
 
 
+# fla's chunk_simple_gla alone, bf16, forward and backward, at the widths our layers hand it: (key width, value width):
+# a 64-wide head, the width-2 key-sum product of a decayed denominator (one value column made even), SPE's 32
+# realizations; with no gate and with one decay per head (g_gamma), over one 8k sequence and over packed documents
+FLA_SHAPES = [
+    dict(widths=widths, gating=gating, layout=layout)
+    for widths in ((64, 64), (64, 2), (32, 64))
+    for gating in ("none", "g_gamma")
+    for layout in ("dense", "packed")
+]
+
+
+def fla_shape_case(case: dict, tokens: int, device: str):
+    """Run one FLA_SHAPES case: fla's chunked product forward and backward, 8 heads, bf16 (fp32 on the CPU)."""
+    from lrpe_hf.modeling.products_triton import fla_kernels
+
+    chunked, _ = fla_kernels()
+    (K, V), H = case["widths"], 8
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    generator = torch.Generator().manual_seed(0)
+    q, k = (torch.rand(1, tokens, H, K, generator=generator).to(device, dtype).requires_grad_() for _ in range(2))
+    v = torch.randn(1, tokens, H, V, generator=generator).to(device, dtype).requires_grad_()
+    gates = {"g_gamma": -torch.linspace(0.01, 0.5, H, device=device)} if case["gating"] == "g_gamma" else {}
+    if case["layout"] == "packed":
+        gates["cu_seqlens"] = torch.tensor([0, tokens // 2, tokens // 2 + tokens // 3, tokens], device=device)
+    out, final = chunked(q, k, v, **gates, scale=1.0, output_final_state=True)
+    (out.float().square().mean() + final.float().square().mean()).backward()
+    finite = all(torch.isfinite(x).all() for x in (out, q.grad, k.grad, v.grad))
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return bool(finite)
+
+
+def part_fla_shapes(out: Path, s: dict):
+    """Each FLA_SHAPES case in a process that runs the cases from one index on, with CUDA_LAUNCH_BLOCKING=1 (an
+    illegal access is reported at the kernel that made it): a case that kills its process is recorded as crashed
+    and the next process starts after it."""
+    rows, start = [], 0
+    environment = {**os.environ, "CUDA_LAUNCH_BLOCKING": "1"}
+    while start < len(FLA_SHAPES):
+        command = [sys.executable, __file__, "--fla-shapes-from", str(start), "--tokens", str(s["shape_tokens"])]
+        command += ["--dry-run"] * (s["device"] == "cpu")
+        result = subprocess.run(command, capture_output=True, text=True, env=environment)
+        print(result.stdout + result.stderr[-3000:], flush=True)
+        done = [json.loads(line[len("CASE ") :]) for line in result.stdout.splitlines() if line.startswith("CASE ")]
+        rows += done
+        start += len(done)
+        if result.returncode != 0 and start < len(FLA_SHAPES):
+            error = (result.stderr.strip().splitlines() or ["(no output)"])[-1]
+            rows.append(dict(**FLA_SHAPES[start], status=f"crashed (exit code {result.returncode}): {error}"))
+            start += 1
+        write_csv(out / "fla_shapes.csv", [dict(row, widths="x".join(map(str, row["widths"]))) for row in rows])
+
+
+def run_fla_shapes_from(start: int, tokens: int, device: str):
+    """The cases of FLA_SHAPES from ``start`` on, one line ``CASE {json}`` each as it ends."""
+    faulthandler.enable()
+    for case in FLA_SHAPES[start:]:
+        try:
+            status = "ok" if fla_shape_case(case, tokens, device) else "not finite"
+        except Exception as error:  # noqa: BLE001 -- a raised error is a finding to record; a CUDA error ends here
+            status = f"raised {type(error).__name__}: {str(error).splitlines()[0][:300]}"
+            if device == "cuda" and "CUDA" in str(error):
+                raise
+        print("CASE " + json.dumps(dict(case, status=status)), flush=True)
+
+
+def part_overhead(out: Path, s: dict):
+    """Where a train step's time goes besides the GPU's work: a LinearGPT bf16 train step (the train-step sizes,
+    ``overhead_tokens`` tokens) per encoding, after two warm-ups: each host synchronisation our code asks for (CUDA's
+    sync debug mode, one row per source line) and the profiler's top ops by CPU time, with the step's CPU and CUDA
+    totals."""
+    import warnings
+
+    from torch.profiler import ProfilerActivity, profile
+
+    device, syncs, top = s["device"], [], []
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 512, (1, s["overhead_tokens"]), generator=generator).to(device)
+    activities = [ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * (device == "cuda")
+    for encoding in s["overhead"]:
+        model = gpt(encoding, None, "auto", dict(s, tokens=s["overhead_tokens"]), device).train()
+        for _ in range(2):
+            train_step(model, dict(input_ids=ids, labels=ids), torch.bfloat16, device)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if device == "cuda":
+                torch.cuda.set_sync_debug_mode("warn")
+            train_step(model, dict(input_ids=ids, labels=ids), torch.bfloat16, device)
+            if device == "cuda":
+                torch.cuda.set_sync_debug_mode("default")
+        places = {}
+        for warning in caught:
+            if "synchroniz" in str(warning.message):
+                place = f"{Path(warning.filename).name}:{warning.lineno}"
+                places[place] = places.get(place, 0) + 1
+        syncs += [dict(encoding=encoding, place=place, count=count) for place, count in places.items()]
+        with profile(activities=activities) as profiler:
+            train_step(model, dict(input_ids=ids, labels=ids), torch.bfloat16, device)
+            if device == "cuda":
+                torch.cuda.synchronize()
+        events = profiler.key_averages()
+        for event in sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:25]:
+            top.append(
+                dict(
+                    encoding=encoding, op=event.key, calls=event.count, self_cpu_ms=event.self_cpu_time_total / 1e3,
+                    device_ms=getattr(event, "self_device_time_total", 0) / 1e3,
+                )
+            )  # fmt: skip
+        print(f"{encoding}: {sum(places.values())} host syncs at {places}", flush=True)
+    write_csv(out / "overhead_syncs.csv", syncs or [dict(encoding="", place="none found", count=0)])
+    write_csv(out / "overhead_top_ops.csv", top)
+
+
+def rows_from_log(log: Path) -> list[dict]:
+    """The rows a benchmark printed (one dict a line) before it stopped: what a crash leaves of its CSV."""
+    rows = []
+    for line in log.read_text(errors="replace").splitlines():
+        if line.startswith("{'"):
+            try:
+                rows.append(ast.literal_eval(line))
+            except (ValueError, SyntaxError):
+                continue
+    return rows
+
+
 def benchmark(script: str, folder: str, dtype_arguments: list):
     """A part that runs one of the benchmark scripts (in this process, so that the autotuning limit applies)."""
 
@@ -266,8 +410,10 @@ def part_pytest(out: Path, s: dict):
 
 
 def write_csv(path: Path, rows: list[dict]):
+    """rows (dicts, their keys the columns in order of first appearance; a missing value is left empty)."""
+    columns = list(dict.fromkeys(key for row in rows for key in row))
     with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer = csv.DictWriter(f, fieldnames=columns)
         writer.writeheader()
         writer.writerows(rows)
 
@@ -283,20 +429,22 @@ def versions() -> dict:
 
 
 def device_facts(device: str) -> dict:
+    """The GPU's facts beyond its name (which the record's ``device`` gives): memory, capability, driver, CUDA."""
     if device != "cuda":
-        return {"device": platform.processor() or platform.machine(), "cpu_count": os.cpu_count()}
+        return {}
     properties = torch.cuda.get_device_properties(0)
     smi = subprocess.run(
         ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True, text=True
     )
     return {
-        "device": properties.name, "memory_gib": round(properties.total_memory / 2**30, 1),
-        "capability": f"{properties.major}.{properties.minor}", "driver": smi.stdout.strip() or None,
-        "cuda": torch.version.cuda,
+        "memory_gib": round(properties.total_memory / 2**30, 1), "capability": f"{properties.major}.{properties.minor}",
+        "driver": smi.stdout.strip() or None, "cuda": torch.version.cuda,
     }  # fmt: skip
 
 
 PARTS = {
+    "fla_shapes": part_fla_shapes,
+    "overhead": part_overhead,
     "attention": benchmark("benchmark_attention.py", "attention", ["--dtype", "bf16"]),
     "models": benchmark("benchmark_models.py", "models", ["--dtype", "bf16"]),
     "train_steps": part_train_steps,
@@ -334,7 +482,9 @@ def autotune_candidates(name: str, full_autotune: bool) -> int | None:
 
 
 def run_child(name: str, args) -> None:
-    """One part, in this (child) process: its rows go to args.out, its output to the parent's log of it."""
+    """One part, in this (child) process: its rows go to args.out, its output to the parent's log of it (with the
+    Python stack of a crash: the first H100 run's compiled decoding died of a segmentation fault, unlocated)."""
+    faulthandler.enable()
     s = sizes(args.dry_run)
     candidates = autotune_candidates(name, args.full_autotune)
     if candidates is not None and s["device"] == "cuda":
@@ -350,12 +500,27 @@ def run_part(name: str, args, s: dict) -> str:
     with open(log, "w") as output:
         try:
             result = subprocess.run(command, stdout=output, stderr=subprocess.STDOUT, timeout=s["limits"][name])
+            status = "ok" if result.returncode == 0 else f"failed: exit code {result.returncode}: "
         except subprocess.TimeoutExpired:
-            return f"stopped at its time limit ({s['limits'][name]} s); its rows so far are written"
-    if result.returncode == 0:
-        return "ok"
-    last_lines = log.read_text(errors="replace").strip().splitlines()[-3:]
-    return f"failed: exit code {result.returncode}: " + " | ".join(last_lines)
+            status = f"stopped at its time limit ({s['limits'][name]} s): "
+    if name in SPEED_PARTS and not list((args.out / name).glob("*.csv")) and rows_from_log(log):
+        write_csv(args.out / f"{name}_rows_before_stop.csv", rows_from_log(log))  # a benchmark writes at its end
+    if status != "ok":
+        status += " | ".join(log.read_text(errors="replace").strip().splitlines()[-3:])
+    return status
+
+
+def write_check_record(args, facts: dict):
+    """``record.json`` in the docs' provenance format (``lrpe_hf.training.provenance``), listing the CSVs beside it,
+    with the check's own facts (driver, versions, autotuning, each part's status) in its invocation's entry."""
+    from lrpe_hf.training import provenance
+
+    files = sorted(path.name for path in args.out.glob("*.csv"))
+    entry = provenance.invocation(args.out, "cuda" if not args.dry_run else "cpu", **facts)
+    if entry["commit"] is None and args.commit:  # a copy without git history: the caller's word, checked clean
+        entry["commit"], entry["clean"] = args.commit, True
+    record = dict(written_by="benchmarks/gpu_check.py", files=files, invocations=[entry])
+    (args.out / "record.json").write_text(json.dumps(record, indent=2) + "\n")
 
 
 def main():
@@ -364,17 +529,23 @@ def main():
     parser.add_argument("--dry-run", action="store_true", help="the rehearsal: CPU, tiny sizes, seconds")
     parser.add_argument("--parts", nargs="+", choices=list(PARTS), default=list(PARTS))
     parser.add_argument("--full-autotune", action="store_true", help="let fla's kernels try all their configurations")
-    parser.add_argument("--commit", default=os.environ.get("GPU_CHECK_COMMIT"), help="the commit of the tree run")
+    parser.add_argument(
+        "--commit", default=os.environ.get("GPU_CHECK_COMMIT"),
+        help="where the machine's copy of the tree has no git history: the commit it is a copy of, checked clean",
+    )  # fmt: skip
     parser.add_argument("--child", choices=list(PARTS), help=argparse.SUPPRESS)  # one part, run by the parent
+    parser.add_argument("--fla-shapes-from", type=int, help=argparse.SUPPRESS)  # part_fla_shapes' runner
+    parser.add_argument("--tokens", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         return run_child(args.child, args)
+    if args.fla_shapes_from is not None:
+        return run_fla_shapes_from(args.fla_shapes_from, args.tokens, sizes(args.dry_run)["device"])
     s = sizes(args.dry_run)
     if s["device"] == "cuda" and not torch.cuda.is_available():
         sys.exit("no CUDA device: run the rehearsal with --dry-run")
     args.out.mkdir(parents=True, exist_ok=True)
-    record = {
-        "written_by": "benchmarks/gpu_check.py", "command": " ".join(["python", *sys.argv]), "commit": args.commit,
+    facts = {
         "dry_run": args.dry_run, **device_facts(s["device"]), "versions": versions(),
         "autotune_candidates_per_kernel": {name: autotune_candidates(name, args.full_autotune) for name in PARTS},
         "parts": {},
@@ -382,22 +553,22 @@ def main():
     if s["device"] == "cuda":
         from lrpe_hf.modeling import products_triton
 
-        record["fla"] = products_triton.load_fla()[1] or "fla's kernels import"
+        facts["fla"] = products_triton.load_fla()[1] or "fla's kernels import"
         if products_triton.load_fla()[0] is not None:
-            record["fla_gated_backward_fails_bf16"] = products_triton.gated_backward_fails(torch.bfloat16)
+            facts["fla_gated_backward_fails_bf16"] = products_triton.gated_backward_fails(torch.bfloat16)
     for name in args.parts:
         start = time.perf_counter()
         status = run_part(name, args, s)
-        record["parts"][name] = {"status": status, "seconds": round(time.perf_counter() - start, 1)}
-        print(f"== {name}: {status} ({record['parts'][name]['seconds']} s)", flush=True)
-        (args.out / "record.json").write_text(json.dumps(record, indent=2))
+        facts["parts"][name] = {"status": status, "seconds": round(time.perf_counter() - start, 1)}
+        print(f"== {name}: {status} ({facts['parts'][name]['seconds']} s)", flush=True)
+        write_check_record(args, facts)
     archive = args.out / "gpu_check.tar.gz"
     with tarfile.open(archive, "w:gz") as tar:
         for path in sorted(args.out.rglob("*")):
             if path.is_file() and path != archive:
                 tar.add(path, arcname=str(path.relative_to(args.out)))
-    failed = [name for name, part in record["parts"].items() if part["status"] != "ok"]
-    print(f"gpu check: {len(record['parts']) - len(failed)} parts ok, {len(failed)} failed {failed}; {archive}")
+    failed = [name for name, part in facts["parts"].items() if part["status"] != "ok"]
+    print(f"gpu check: {len(facts['parts']) - len(failed)} parts ok, {len(failed)} failed {failed}; {archive}")
     sys.exit(1 if failed else 0)
 
 

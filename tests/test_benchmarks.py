@@ -202,9 +202,12 @@ def test_the_gpu_check_rehearses_every_part_on_the_cpu(tmp_path):
     result = subprocess.run(command, capture_output=True, text=True, timeout=900, env=environment)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     out = tmp_path / "out"
-    record = json.loads((out / "record.json").read_text())
-    assert record["dry_run"] and all(part["status"] == "ok" for part in record["parts"].values())
-    assert set(record["parts"]) == {"pytest", "train_steps", "families", "decoding", "attention", "models"}
+    (facts,) = json.loads((out / "record.json").read_text())["invocations"]
+    assert facts["dry_run"] and all(part["status"] == "ok" for part in facts["parts"].values())
+    parts = {"fla_shapes", "overhead", "attention", "models", "train_steps", "families", "decoding", "pytest"}
+    assert set(facts["parts"]) == parts
+    with open(out / "fla_shapes.csv") as f:
+        assert len(list(csv.DictReader(f))) == 12  # every case has its row, run or not (no fla kernels on a CPU)
     with open(out / "train_steps.csv") as f:
         steps = list(csv.DictReader(f))
     cases = {(row["encoding"], row["feature_map"]) for row in steps}
