@@ -126,3 +126,48 @@ def test_context_parallel_needs_an_initialised_process_group():
     with pytest.raises(RuntimeError, match="init_process_group"):
         with context_parallel():
             pass
+
+
+def test_the_collator_gives_each_rank_its_slice_and_labels_shifted_over_the_whole_sequence():
+    """The slices of ranks 0..P-1 put side by side are the whole batch; shift_labels is the labels shifted by one
+    over the whole sequence (rank 0's last token scored against rank 1's first), -100 after the last."""
+    from lrpe_hf.training.context_parallel_training import ContextParallelCollator
+
+    ids = torch.arange(2 * 8).view(2, 8)
+    whole = dict(input_ids=ids, labels=ids.clone(), attention_mask=torch.ones(2, 8, dtype=torch.long))
+    slices = [ContextParallelCollator(lambda f: dict(whole), r, 2, True, pad_token_id=0)(None) for r in range(2)]
+    for key in ("input_ids", "labels", "attention_mask"):
+        assert torch.equal(torch.cat([s[key] for s in slices], dim=1), whole[key])
+    shifted = torch.cat([s["shift_labels"] for s in slices], dim=1)
+    assert torch.equal(shifted[:, :-1], ids[:, 1:]) and (shifted[:, -1] == -100).all()
+    assert slices[0]["shift_labels"][0, -1] == slices[1]["input_ids"][0, 0]
+
+
+def test_the_collator_pads_a_length_the_ranks_do_not_divide():
+    """7 tokens over 2 ranks: padded to 8, the padding ignored by the loss; a packed row (position_ids) gets its
+    padding as a document of its own; a row with neither mask nor positions gets a mask."""
+    from lrpe_hf.training.context_parallel_training import ContextParallelCollator
+
+    packed = dict(input_ids=torch.arange(1, 8)[None], labels=torch.arange(1, 8)[None],
+                  position_ids=torch.tensor([[0, 1, 2, 0, 1, 2, 3]]))  # fmt: skip
+    last = ContextParallelCollator(lambda f: dict(packed), 1, 2, True, pad_token_id=0)(None)
+    assert last["input_ids"].tolist() == [[5, 6, 7, 0]] and last["position_ids"].tolist() == [[1, 2, 3, 0]]
+    assert last["labels"].tolist() == [[5, 6, 7, -100]] and last["shift_labels"].tolist() == [[6, 7, -100, -100]]
+    plain = dict(input_ids=torch.arange(1, 8)[None], labels=torch.arange(1, 8)[None])
+    last = ContextParallelCollator(lambda f: dict(plain), 1, 2, False, pad_token_id=0)(None)
+    assert last["attention_mask"].tolist() == [[1, 1, 1, 0]] and "shift_labels" not in last
+
+
+def test_the_sampler_gives_each_batch_once_per_rank_of_a_group():
+    from lrpe_hf.training.context_parallel_training import SharedBatchSampler
+
+    order = list(range(7))
+    assert list(SharedBatchSampler(order, batch_size=2, copies=3)) == [0, 1] * 3 + [2, 3] * 3 + [4, 5] * 3
+
+
+def test_a_masked_lm_with_packed_rows_is_refused_before_training():
+    from lrpe_hf.training.language_modeling import context_parallel_trainer
+    from lrpe_hf.training.trainer import CardTrainer
+
+    with pytest.raises(ValueError, match="--document_layout concatenated or padded"):
+        context_parallel_trainer(CardTrainer, 2, "mlm", "flattened", pad_token_id=0)

@@ -66,6 +66,12 @@ FLOAT64_ATOL = 1e-12
 # moves weights by about lr = 1e-2 or more (training moves them by 2.5e-2; a rank whose weights did not come
 # from rank 0 ends 4.3 away; a batch of 2 instead of 4 ends 5e-2 away), two orders above this tolerance.
 FLOAT32_ATOL = 1e-4
+# Context parallelism sums each gradient in another order again (the slices' parts, states combined across the
+# split), with absolute rounding differences of ~1e-18 in entries that are near zero. AdamW divides by
+# sqrt(v) + eps (eps 1e-8), so for such an entry an absolute gradient difference moves the weight by up to
+# lr / eps = 1e6 times it: measured 3e-12 (one fc2 entry; the per-step gradient norms agree to 1e-12). A real
+# mismatch moves weights by about lr = 1e-2, ten orders above.
+CONTEXT_PARALLEL_FLOAT64_ATOL = 1e-10
 
 
 def free_port() -> int:
@@ -234,3 +240,49 @@ def test_meta_device_loading_under_fsdp_trains_to_the_single_process_weights_flo
     assert max_difference(ours, theirs, theirs) < FLOAT32_ATOL
     start = load_file(out / "checkpoint" / "model.safetensors")
     assert max_difference(theirs, start, theirs) > 100 * FLOAT32_ATOL  # training moved the weights
+
+
+@pytest.fixture(scope="module")
+def context_parallel_runs(workspace):
+    """The same float64 training (permute: a decay, so the ranks' states combine with their decays) on four
+    processes, 2 x 2 (``--context_parallel_size 2``: two data-parallel groups of two processes, each splitting its
+    64-token blocks in halves; per-device batch 2) and on one process with batch 4. The sampler hands the two
+    groups the batches one process of batch 4 takes, in the same order."""
+    common = ["--tokenizer_name", workspace / "tokenizer", "--train_file", workspace / "train.txt"]
+    common += ["--positional_encoding", "permute", "--config_overrides", json.dumps(OVERRIDES)]
+    for name, value in SIZES.items():
+        common += [f"--{name}", value]
+    common += ["--block_size", "64", "--max_steps", STEPS, "--learning_rate", "1e-2", "--do_train"]
+    common += ["--logging_steps", "1", "--report_to", "none", "--disable_tqdm", "true", "--save_strategy", "no"]
+    common += ["--seed", "0", "--use_cpu"]
+    script = ROOT / "tests/distributed_clm.py"
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "4", "--multi_gpu", "--num_machines", "1"]
+    launch += ["--main_process_port", free_port(), "--mixed_precision", "no", "--dynamo_backend", "no"]
+    split, single = workspace / "context_parallel" / "split", workspace / "context_parallel" / "single"
+    environment = {"DISTRIBUTED_CLM_DTYPE": "float64"}
+    split_run = [*launch, script, *common, "--per_device_train_batch_size", "2", "--context_parallel_size", "2"]
+    run([*split_run, "--output_dir", split], environment)
+    run([sys.executable, script, *common, "--per_device_train_batch_size", "4", "--output_dir", single], environment)
+    return split, single
+
+
+def test_context_parallel_training_on_2_x_2_processes_equals_one_process_float64(context_parallel_runs):
+    """Each process scored half of each of its group's rows (its records hold 32-token slices) and the weights,
+    losses and gradient norms equal one process's: the slices' losses and gradients add up to the whole batch's."""
+    split, single = context_parallel_runs
+    ranks = records(split, 4)
+    assert [len(step["rows"]) for step in ranks[0]["steps"]] == [2] * STEPS
+    assert_same_training_log(split, single, grad_norm_rel=1e-12)
+    ours, theirs = load_file(split / "model.safetensors"), load_file(single / "model.safetensors")
+    assert ours.keys() == theirs.keys() and ours["model.norm.weight"].dtype == torch.float64
+    assert max_difference(ours, theirs, theirs) < CONTEXT_PARALLEL_FLOAT64_ATOL
+
+
+def test_context_parallel_size_must_divide_the_processes(workspace, tmp_path):
+    from lrpe_hf.training.language_modeling import main
+
+    arguments = ["--tokenizer_name", workspace / "tokenizer", "--train_file", workspace / "train.txt"]
+    arguments += ["--block_size", "64", "--max_steps", "1", "--report_to", "none", "--use_cpu"]
+    arguments += ["--context_parallel_size", "2", "--output_dir", tmp_path, "--positional_encoding", "permute"]
+    with pytest.raises(ValueError, match="--context_parallel_size 2 needs a number of processes that it divides"):
+        main("clm", arguments)

@@ -1,5 +1,6 @@
 """Pretraining pipeline shared by run_mlm.py (LinearRoberta) and run_clm.py (LinearGPT)."""
 
+import functools
 import math
 from dataclasses import dataclass, field
 from itertools import chain
@@ -16,6 +17,7 @@ from transformers import (
 
 from .. import LinearGPTConfig, LinearGPTForCausalLM, LinearRobertaConfig, LinearRobertaForMaskedLM
 from .arguments import ModelArguments, build_config, parse_script_arguments
+from .context_parallel_training import ContextParallelTrainer
 from .data import check_columns, load_files_or_hub, load_tokenizer, select_samples
 from .lora import apply_lora
 from .tokenizer import causal_lm_tokenizer
@@ -134,8 +136,22 @@ def build_collator(kind: str, layout: str, tokenizer, mlm_probability: float):
     return DataCollatorForLanguageModeling(tokenizer, mlm=kind == "mlm", mlm_probability=mlm_probability)
 
 
+@dataclass
+class LanguageModelingTrainingArguments(TrainingArguments):
+    """Transformers' TrainingArguments and one more: how many processes share each training sequence."""
+
+    context_parallel_size: int = field(
+        default=1,
+        metadata={
+            "help": "split every training sequence over this many processes (context parallelism; under accelerate "
+            "launch with a multiple of it as --num_processes, the groups of consecutive processes data-parallel); "
+            "1 (default): each process trains whole sequences"
+        },
+    )
+
+
 def argument_parser() -> HfArgumentParser:
-    return HfArgumentParser((ModelArguments, LanguageModelingDataArguments, TrainingArguments))
+    return HfArgumentParser((ModelArguments, LanguageModelingDataArguments, LanguageModelingTrainingArguments))
 
 
 def main(kind: str, args=None):
@@ -184,6 +200,11 @@ def run(kind: str, model_args, data_args, training_args, trainer_class=CardTrain
         raise ValueError(f"The training text is shorter than one block of {data_args.block_size} tokens")
 
     collator = build_collator(kind, data_args.document_layout, tokenizer, data_args.mlm_probability)
+    context_parallel_size = getattr(training_args, "context_parallel_size", 1)
+    if context_parallel_size > 1:
+        trainer_class = context_parallel_trainer(
+            trainer_class, context_parallel_size, kind, data_args.document_layout, tokenizer.pad_token_id
+        )
     source = data_args.dataset_name or data_args.train_file
     card = dict(
         task_description=f"{spec['what']} on {source}",
@@ -202,6 +223,21 @@ def run(kind: str, model_args, data_args, training_args, trainer_class=CardTrain
         card=card,
     )
     return train_and_evaluate(trainer, extra_metrics=perplexity)
+
+
+def context_parallel_trainer(trainer_class, size: int, kind: str, layout: str, pad_token_id: int):
+    """The trainer class that splits each training sequence over ``size`` processes, or why it cannot."""
+    if size < 1:
+        raise ValueError(f"--context_parallel_size must be at least 1, got {size}")
+    if trainer_class is not CardTrainer:
+        raise ValueError(f"--context_parallel_size is not supported with {trainer_class.__name__}")
+    if kind == "mlm" and layout == "flattened":
+        raise ValueError(
+            "--context_parallel_size with a masked LM needs --document_layout concatenated or padded: a flattened "
+            "row packs documents, and a bidirectional document split over processes would need states per document"
+        )
+    return functools.partial(ContextParallelTrainer, context_parallel_size=size, causal=kind == "clm",
+                             pad_token_id=pad_token_id)  # fmt: skip
 
 
 def perplexity(metrics: dict) -> dict:
