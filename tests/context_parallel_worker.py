@@ -143,11 +143,74 @@ def run_model_case(case, rank, size):
     check(errors, tolerances, f"rank {rank}/{size} {case}", f"loss {reference.loss:.4f}")
 
 
+def state_tensors(state, prefix="") -> dict:
+    """Every tensor of a (nested) state dataclass, by its path."""
+    from dataclasses import fields
+
+    found = {}
+    for f in fields(state):
+        value = getattr(state, f.name)
+        if isinstance(value, torch.Tensor):
+            found[prefix + f.name] = value
+        elif value is not None and hasattr(value, "__dataclass_fields__"):
+            found.update(state_tensors(value, f"{prefix}{f.name}."))
+    return found
+
+
+def run_prefill_case(case, rank, size):
+    """A prompt's prefill split over the ranks into a new LinearGPT cache (``use_cache=True``): on the last rank the
+    cache equals one process's after the whole prompt (every layer's states and counters, and its token count),
+    and four greedy-free decoding steps continued from it on that process give one process's logits."""
+    import lrpe_hf
+
+    torch.manual_seed(0)
+    fields = dict(
+        vocab_size=60, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        hidden_dropout_prob=0.0, positional_encoding=case["positional_encoding"], spe_realizations=8,
+    )  # fmt: skip
+    if case.get("normalization"):
+        fields["normalization"] = case["normalization"]
+    model = lrpe_hf.LinearGPTForCausalLM(lrpe_hf.LinearGPTConfig(**fields)).double().eval()
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 60, (2, TOKENS), generator=generator)
+    _, mask, _ = inputs(case, generator)
+    extra = {} if mask is None else {"attention_mask": mask.long()}
+    piece = slice(rank * TOKENS // size, (rank + 1) * TOKENS // size)
+    with torch.no_grad():
+        reference = model(input_ids=ids, use_cache=True, **extra).past_key_values
+        with context_parallel():
+            local = {name: value[:, piece] for name, value in extra.items()}
+            split = model(input_ids=ids[:, piece], use_cache=True, **local).past_key_values
+        if rank == size - 1:
+            errors = {"seen tokens": abs(split.seen_tokens - reference.seen_tokens)}
+            for index, (ours, theirs) in enumerate(zip(split.states, reference.states)):
+                want = state_tensors(theirs)
+                got = state_tensors(ours)
+                assert got.keys() == want.keys(), (got.keys(), want.keys())
+                for name in want:
+                    errors[f"layer {index} {name}"] = (got[name].double() - want[name].double()).abs().max().item()
+            more = torch.randint(3, 60, (2, 4), generator=generator)
+            full_mask = torch.ones(2, TOKENS + 4, dtype=torch.long) if mask is None else torch.cat(
+                [mask.long(), torch.ones(2, 4, dtype=torch.long)], dim=1
+            )
+            for step in range(4):
+                step_inputs = dict(input_ids=more[:, step : step + 1], attention_mask=full_mask[:, : TOKENS + step + 1])
+                ours = model(**step_inputs, past_key_values=split, use_cache=True).logits
+                theirs = model(**step_inputs, past_key_values=reference, use_cache=True).logits
+                errors[f"step {step} logits"] = (ours - theirs).abs().max().item()
+            check(errors, {}, f"rank {rank}/{size} prefill {case}", "the last rank's cache and 4 steps from it")
+        else:
+            print(f"rank {rank}/{size} prefill {case}: split cache made")
+
+
 def main():
     dist.init_process_group("gloo")
     rank, size = dist.get_rank(), dist.get_world_size()
     for case in json.loads(sys.argv[1]):
-        (run_model_case if "model" in case else run_case)(case, rank, size)
+        if case.get("prefill"):
+            run_prefill_case(case, rank, size)
+        else:
+            (run_model_case if "model" in case else run_case)(case, rank, size)
     dist.barrier()
     # every rank has passed every case: leave without tearing gloo down (its teardown at exit aborts now and then,
     # "terminate called without an active exception", after the work is done)

@@ -34,6 +34,9 @@ MODELS += [dict(model="gpt", positional_encoding="rope", packed=True, padded=Tru
 MODELS += [dict(model="gpt", positional_encoding="permute", padded=True)]
 MODELS += [dict(model="roberta", positional_encoding=e, padded=True) for e in ("lrpe_orthogonal", "none")]
 MODELS += [dict(model="roberta", positional_encoding="rope", absolute="sinusoidal")]
+PREFILLS = [dict(prefill=True, positional_encoding=e) for e in ("lrpe_orthogonal", "spe_sine")]
+PREFILLS += [dict(prefill=True, positional_encoding=e, padded=True) for e in ("permute", "none")]
+PREFILLS += [dict(prefill=True, positional_encoding="rope", normalization="unrotated_denominator", padded=True)]
 
 
 def free_port() -> int:
@@ -76,6 +79,14 @@ def test_models_split_over_ranks_give_one_process_loss_and_gradients(size):
     run_ranks(size, MODELS)
 
 
+@pytest.mark.parametrize("size", [2, 4])
+def test_a_prefill_split_over_ranks_leaves_one_process_cache_on_the_last_rank(size):
+    """LinearGPT with use_cache=True inside context_parallel: the last rank's cache is one process's after the whole
+    prompt (states, key sums, counters, token count; padding, a decay, the unrotated denominator, SPE's codes in
+    eval), and decoding continued from it there gives one process's logits."""
+    run_ranks(size, PREFILLS)
+
+
 def test_what_context_parallelism_cannot_split_is_refused_by_name(monkeypatch):
     """One process as a group of one: the refusals come before any collective is needed."""
     torch.distributed.init_process_group(
@@ -96,15 +107,18 @@ def test_what_context_parallelism_cannot_split_is_refused_by_name(monkeypatch):
         with context_parallel(), pytest.raises(ValueError, match="random codes in training"):
             spe(x)
         layer = lrpe_hf.LinearAttention(32, 4, causal=True).eval()
-        with context_parallel(), pytest.raises(ValueError, match="generation continues on one process"):
-            layer(x, state=lrpe_hf.LinearAttentionState())
+        used = lrpe_hf.LinearAttentionState()
+        layer(x, state=used)  # a state that has seen tokens: a split call starts a sequence
+        with context_parallel(), pytest.raises(ValueError, match="a split call starts a sequence"):
+            layer(x, state=used)
         text = dict(vocab_size=50, hidden_size=32, num_attention_heads=4, num_labels=2)
         ids = torch.tensor([[1, 2, 3]])
         model = lrpe_hf.LinearGPTForCausalLM(lrpe_hf.LinearGPTConfig(**text)).eval()
         with context_parallel(), pytest.raises(ValueError, match="pass shift_labels"):
             model(ids, labels=ids)
-        with context_parallel(), pytest.raises(ValueError, match="a generation cache"):
-            model(ids, use_cache=True)
+        cache = model(ids, use_cache=True).past_key_values
+        with context_parallel(), pytest.raises(ValueError, match="a cache that has seen tokens"):
+            model(ids, past_key_values=cache, use_cache=True)
         for head, message in [
             (lrpe_hf.LinearGPTForSequenceClassification(lrpe_hf.LinearGPTConfig(**text)), "sequence classification"),
             (lrpe_hf.LinearRobertaForSequenceClassification(lrpe_hf.LinearRobertaConfig(**text)), "sequence class"),

@@ -35,8 +35,12 @@ sequence in one process. What crosses ranks, and why that is all:
 Refused, with the reason: the softmax baseline (accelerate's own context parallelism splits SDPA), FastRPB (its
 bias reads every earlier value), feature maps stabilised by a running key maximum (exp, performer), convSPE and
 sineSPE while training (their codes are random draws, which the ranks would make apart), and a recurrent state
-passed by the caller (generation continues on one process), and what reads tokens of other ranks: a cache,
-pooled heads (sequence classification, question answering, LinearViT's class token).
+that has seen tokens (a split call starts a sequence; generation continues on one process), and what reads tokens
+of other ranks: pooled heads (sequence classification, question answering, LinearViT's class token).
+
+A prefill can be split: a fresh state (a layer's ``LinearAttentionState``, or LinearGPT's cache with
+``use_cache=True``) given inside ``context_parallel`` ends holding S^out_r and the counters after this rank's last
+token, so the last rank's is the whole prompt's, from which generation continues on that process.
 
 The models (LinearGPT, LinearRoberta) split too: their default positions continue from the earlier ranks' real
 tokens (``real_tokens_before``), packed documents are found against the earlier ranks' last positions, and the
@@ -156,6 +160,13 @@ def real_tokens_before(mask, batch_size: int, num_tokens: int, device):
     return torch.stack(gathered(count, cp))[: cp.rank].sum(0)
 
 
+def tokens_through(num_tokens: int, device, cp: ContextParallelGroup) -> int:
+    """The tokens (padding included) of the slices of ranks 0..this one: how far a prefill split over the ranks has
+    gone after this rank's slice (one all-gather of one number)."""
+    counts = gathered(torch.tensor([num_tokens], device=device), cp)
+    return int(torch.cat(counts)[: cp.rank + 1].sum())
+
+
 def refuse_in_context_parallel(what: str):
     """Raise inside a ``context_parallel`` block: ``what`` reads tokens that lie on other ranks."""
     if active_group() is not None:
@@ -203,7 +214,9 @@ def refuse_packed_bidirectional_rows(starts, device, cp: ContextParallelGroup):
 def causal_product(q, k, v, log_gates, resets, with_denominator, chunk_size, backend, cp: ContextParallelGroup):
     """``causal_linear_attention`` over a sequence split across ``cp``'s ranks, this rank holding q, k (B, H, N, m),
     v (B, H, N, dv), log_gates (B, H, N) or None and resets (B, N) bool or None for its tokens. Returns out and the
-    denominator (B, H, N, 1) or None, as the one-process product gives them for these tokens (module docstring)."""
+    denominator (B, H, N, 1) or None, as the one-process product gives them for these tokens (module docstring),
+    and S^out_r = D_r S^in_r + E_r (B, H, m, dv'): the state after this rank's last token, which on the last rank
+    is the whole sequence's final state (a prefill split over ranks, continued on one process)."""
     out, denominator, local = causal_linear_attention(
         q, k, v, log_gates, None, chunk_size, resets, with_denominator, backend=backend
     )
@@ -217,7 +230,7 @@ def causal_product(q, k, v, log_gates, resets, with_denominator, chunk_size, bac
     out = out + carried[..., : v.shape[-1]].to(out.dtype)
     if with_denominator:
         denominator = denominator + carried[..., v.shape[-1] :].to(denominator.dtype)
-    return out, denominator
+    return out, denominator, through[..., -1, None, None] * incoming + local
 
 
 def bidirectional_product(q, k, v, with_denominator, cp: ContextParallelGroup):

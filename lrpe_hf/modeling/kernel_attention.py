@@ -197,14 +197,11 @@ class KernelAttention(nn.Module):
         return (unit / nonzero(mean_square.sqrt())).to(out.dtype) * self.output_norm.weight.to(out.dtype)
 
     def context_parallel_product(self, q, k, v, gates, starts, with_denominator, cp):
-        """The product over a sequence split across ``cp``'s ranks (``context_parallel``): out, the denominator and
-        no state (the caller keeps none)."""
+        """The product over a sequence split across ``cp``'s ranks (``context_parallel``): out, the denominator and,
+        causal, the state after this rank's last token (``context_parallel.causal_product``), else None."""
         if self.causal:
-            out, denominator = causal_product(
-                q, k, v, gates, starts, with_denominator, self.chunk_size, self.kernel_backend, cp
-            )
-        else:
-            out, denominator = bidirectional_product(q, k, v, with_denominator, cp)
+            return causal_product(q, k, v, gates, starts, with_denominator, self.chunk_size, self.kernel_backend, cp)
+        out, denominator = bidirectional_product(q, k, v, with_denominator, cp)
         return out, denominator, None
 
     def stacks(self, q, k, encoding) -> bool:
@@ -273,7 +270,11 @@ class KernelAttention(nn.Module):
         """<phi(q_s), sum_t w(s, t) phi(k_t)> without the positional transform (RoFormer eq. 19): (B, H, N, 1)."""
         cp = active_group()
         if cp is not None:
-            return self.context_parallel_product(fq, fk, torch.ones_like(fk[..., :1]), gates, starts, False, cp)[0]
+            ones = torch.ones_like(fk[..., :1])
+            denominator, _, key_sum = self.context_parallel_product(fq, fk, ones, gates, starts, False, cp)
+            if state is not None:
+                state.store("key_sum", key_sum)
+            return denominator
         if not self.causal:
             documents = None if starts is None else starts.long().cumsum(-1)
             return bidirectional_linear_attention(fq, fk, torch.ones_like(fk[..., :1]), documents)[0]

@@ -149,8 +149,8 @@ class LinearAttention(nn.Module):
     def check_context_parallel(self, state):
         """Refuse, saying why, what context parallelism does not split (``context_parallel``'s docstring)."""
         why = None
-        if state is not None:
-            why = "a recurrent state was passed: generation continues on one process"
+        if state is not None and state.num_tokens is not None:
+            why = "a recurrent state that has seen tokens was passed: a split call starts a sequence"
         elif isinstance(self.attention, SoftmaxAttention):
             why = "softmax attention is the quadratic baseline: accelerate's own context parallelism splits SDPA"
         elif self.positional_encoding.has_value_bias:
@@ -244,7 +244,11 @@ class LinearAttention(nn.Module):
             self.check_context_parallel(state)
             device = hidden_states.device
             given = None if position_ids is None else self.positions(position_ids, mask, None, B, N, device)
-            state = counters if counters is not None else incoming_counters(given, mask, B, N, device, cp)
+            counters = counters if counters is not None else incoming_counters(given, mask, B, N, device, cp)
+            if state is None:
+                state, count_tokens = counters, False  # read for positions and documents, kept by nobody
+            else:  # a fresh state continues from the earlier ranks' tokens (a prefill split over the ranks)
+                state.share_counters(counters)
             positions = given if given is not None else self.positions(None, mask, state, B, N, device)
         if self.standalone and self.training:
             self.redraw_random_features()
@@ -267,7 +271,7 @@ class LinearAttention(nn.Module):
                 refuse_packed_bidirectional_rows(documents[0], hidden_states.device, cp)
         starts, documents = documents
         path_state = None
-        if state is not None and cp is None:
+        if state is not None and (cp is None or state is not counters):
             state.path = state.path if state.path is not None else self.attention.State()
             path_state = state.path
         steps = position_steps(positions, mask, state) if encoding.log_decay is not None else None
@@ -288,6 +292,6 @@ class LinearAttention(nn.Module):
             out = out + encoding.value_bias(keys[0], keys[1], positions, self.options.causal, keys[2], documents)
         if mask is not None:
             out = out.masked_fill(~mask[:, None, :, None], 0.0)
-        if state is not None and count_tokens and cp is None:
+        if state is not None and count_tokens:
             state.count(positions, mask, documents)
         return out

@@ -16,7 +16,7 @@ from transformers.utils import can_return_tuple
 
 from .cache import LinearAttentionCache
 from .configuration_linear_gpt import LinearGPTConfig
-from .context_parallel import active_group, real_tokens_before, refuse_in_context_parallel
+from .context_parallel import active_group, real_tokens_before, refuse_in_context_parallel, tokens_through
 from .forward_arguments import CACHE_ARGUMENTS, CACHE_OUTPUT_FIELD, LOSS_ARGUMENTS, check_extra_arguments, take_cache
 from .label_checks import check_sequence_labels, check_token_labels
 from .lm_loss import causal_lm_loss
@@ -103,10 +103,10 @@ class LinearGPTModel(LinearGPTPreTrainedModel):
         if self.config.embedding_multiplier != 1.0:
             hidden_states = hidden_states * self.config.embedding_multiplier
         batch_size, num_tokens = hidden_states.shape[:2]
-        if use_cache is None:  # a slice of a sequence split over ranks (context_parallel) keeps no cache
+        if use_cache is None:  # a slice of a sequence split over ranks (context_parallel) keeps a cache when asked
             use_cache = self.config.use_cache and not self.training and active_group() is None
-        if use_cache or past_key_values is not None:
-            refuse_in_context_parallel("a generation cache (generation continues on one process)")
+        if isinstance(past_key_values, LinearAttentionCache) and past_key_values.is_initialized:
+            refuse_in_context_parallel("a cache that has seen tokens (a split prefill starts from a new cache)")
         output_hidden_states = (
             output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
         )
@@ -149,8 +149,10 @@ class LinearGPTModel(LinearGPTPreTrainedModel):
             hidden_states, mask, position_ids, cache, output_hidden_states, given_positions, output_attentions
         )
         hidden_states = self.norm(hidden_states)
-        if cache is not None:
-            cache.advance(num_tokens, hidden_states.device)
+        if cache is not None:  # split over ranks: the tokens of the slices up to this rank's
+            cp = active_group()
+            seen = num_tokens if cp is None else tokens_through(num_tokens, hidden_states.device, cp)
+            cache.advance(seen, hidden_states.device)
         if output_hidden_states:
             all_hidden_states = tuple(all_hidden_states) + (hidden_states,)
         return BaseModelOutputWithPast(

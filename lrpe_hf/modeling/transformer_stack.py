@@ -70,7 +70,7 @@ class LinearTransformerStack(nn.Module):
             given = positions if given_positions else None
             counters = incoming_counters(given, attention_mask, B, N, positions.device, cp)
         if positions.shape[-1] == 1:
-            first_state = cache.states[0] if cache is not None else counters
+            first_state = counters if counters is not None else cache.states[0] if cache is not None else None
             documents = find_documents(positions, attention_mask, first_state, given_positions)
             if counters is not None and given_positions and not self.layers[0].self_attn.options.causal:
                 refuse_packed_bidirectional_rows(documents[0], positions.device, cp)
