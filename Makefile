@@ -4,7 +4,7 @@ VENV ?= .venv
 PYTHON := $(VENV)/bin/python
 OUT ?= out/demo
 
-.PHONY: install demo reproduce test harness test-compat test-triton test-wheel gpu-check gpu-check-dry-run lock benchmark clean
+.PHONY: install demo reproduce test lint harness test-compat test-triton test-wheel gpu-check gpu-check-dry-run lock benchmark clean
 
 # The default environment: exact versions from the lock file (`make lock` regenerates it on purpose), so that a green
 # `make test` means the same thing on any day.
@@ -40,7 +40,7 @@ demo: install
 		--output_dir $(OUT)/tweet_sentiment
 	@echo "Results: $(OUT)/mlm/eval_results.json, $(OUT)/tweet_sentiment/eval_results.json; cards: README.md; plots: loss_curves.png"
 
-# The papers' comparisons at small scale (lrpe_hf/training/compare.py, README "Comparing encodings"): every preset in
+# The papers' comparisons at small scale (lrpe_hf/training/compare.py, docs/comparing.md): every preset in
 # one profile, 3 seeds, into $(REPRODUCE)/<preset>/ (results.md, results.csv, PNG plots). One BPE tokenizer,
 # trained once, serves the text presets. Killed, it resumes where it stopped. PROFILE=quick (the default): budgeted
 # for about 30 minutes on 2 CPU cores (27 when timed on 2026-11-22). PROFILE=medium: on one GPU with
@@ -72,6 +72,11 @@ reproduce: install
 # tests/test_transformers_common.py skips and says why.
 harness: install
 	$(PYTHON) tests/fetch_transformers_harness.py || echo "transformers test harness unavailable: tests/test_transformers_common.py will skip"
+
+# Lint and format check (ruff, the lock's version; the rules in pyproject.toml): CI runs it first.
+lint: install
+	$(PYTHON) -m ruff check .
+	$(PYTHON) -m ruff format --check .
 
 test: install harness
 	$(PYTHON) -m pytest -q tests

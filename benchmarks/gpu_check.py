@@ -85,8 +85,8 @@ def sizes(dry_run: bool) -> dict:
             models=["--lengths", "64", "--contexts", "32", "--batch-contexts", "--reps", "1", "--encodings", "none",
                     "none+compile", "--gpt2-max", "64"],
             shape_tokens=256, overhead_tokens=64, overhead=["none"],
-            limits=dict(fla_shapes=300, overhead=300, attention=300, models=300, train_steps=300, families=120, decoding=300,
-                        pytest=300),
+            limits=dict(fla_shapes=300, overhead=300, attention=300, models=300, train_steps=300, families=120,
+                        decoding=300, pytest=300),
         )  # fmt: skip
     return dict(
         device="cuda", tokens=1024, hidden=256, layers=2, heads=4, new_tokens=64,
@@ -221,7 +221,7 @@ def part_decoding(out: Path, s: dict):
         model = gpt(encoding, None, "auto", s, device).eval()
         prompt = torch.randint(3, 512, (1, 32), generator=torch.Generator().manual_seed(1)).to(device)
 
-        def generate():
+        def generate(model=model, prompt=prompt):
             out = model.generate(
                 prompt, max_new_tokens=s["new_tokens"], do_sample=False, return_dict_in_generate=True,
                 output_logits=True,
@@ -402,7 +402,15 @@ def benchmark(script: str, folder: str, dtype_arguments: list):
 def part_pytest(out: Path, s: dict):
     import pytest
 
-    arguments = ["-q", "-m", "gpu", "-p", "no:cacheprovider", "tests/test_properties.py", "tests/test_triton_adapter.py"]
+    arguments = [
+        "-q",
+        "-m",
+        "gpu",
+        "-p",
+        "no:cacheprovider",
+        "tests/test_properties.py",
+        "tests/test_triton_adapter.py",
+    ]
     os.chdir(ROOT)
     code = pytest.main(arguments)
     if code not in (0, 5):  # 5: every test deselected or skipped (no GPU)

@@ -190,8 +190,10 @@ def run_prefill_case(case, rank, size):
                 for name in want:
                     errors[f"layer {index} {name}"] = (got[name].double() - want[name].double()).abs().max().item()
             more = torch.randint(3, 60, (2, 4), generator=generator)
-            full_mask = torch.ones(2, TOKENS + 4, dtype=torch.long) if mask is None else torch.cat(
-                [mask.long(), torch.ones(2, 4, dtype=torch.long)], dim=1
+            full_mask = (
+                torch.ones(2, TOKENS + 4, dtype=torch.long)
+                if mask is None
+                else torch.cat([mask.long(), torch.ones(2, 4, dtype=torch.long)], dim=1)
             )
             for step in range(4):
                 step_inputs = dict(input_ids=more[:, step : step + 1], attention_mask=full_mask[:, : TOKENS + step + 1])

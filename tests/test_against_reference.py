@@ -134,7 +134,7 @@ def test_one_token_thirty_times_larger_matches_the_formula_at_default_eps(
 
     Exponential maps are checked with the encodings whose features stay non-negative. With signed features
     (rotations after P) and exp features at this scale, phi(q) . phi(k) is a cancellation of O(1) products down
-    to ~1e-8: an ill-conditioned sum in float32 whatever the stabiliser (see the README's numerics note)."""
+    to ~1e-8: an ill-conditioned sum in float32 whatever the stabiliser (see docs/attention_layer.md, numerics)."""
     feature_map, _, normalization = feature_map.partition("+")
     layer = make_layer(
         encoding, feature_map=feature_map, causal=causal, chunk_size=4, normalization=normalization or None

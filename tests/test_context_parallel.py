@@ -49,8 +49,11 @@ def run_ranks(size: int, cases: list[dict]):
     environment = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(size)}
     processes = [
         subprocess.Popen(
-            [sys.executable, str(WORKER), json.dumps(cases)], env={**environment, "RANK": str(rank)},
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            [sys.executable, str(WORKER), json.dumps(cases)],
+            env={**environment, "RANK": str(rank)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )  # fmt: skip
         for rank in range(size)
     ]
@@ -89,9 +92,7 @@ def test_a_prefill_split_over_ranks_leaves_one_process_cache_on_the_last_rank(si
 
 def test_what_context_parallelism_cannot_split_is_refused_by_name(monkeypatch):
     """One process as a group of one: the refusals come before any collective is needed."""
-    torch.distributed.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
-    )
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
         x = torch.randn(1, 8, 32)
         cases = [

@@ -256,7 +256,16 @@ def context_parallel_runs(workspace):
     common += ["--logging_steps", "1", "--report_to", "none", "--disable_tqdm", "true", "--save_strategy", "no"]
     common += ["--seed", "0", "--use_cpu"]
     script = ROOT / "tests/distributed_clm.py"
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "4", "--multi_gpu", "--num_machines", "1"]
+    launch = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--num_processes",
+        "4",
+        "--multi_gpu",
+        "--num_machines",
+        "1",
+    ]
     launch += ["--main_process_port", free_port(), "--mixed_precision", "no", "--dynamo_backend", "no"]
     split, single = workspace / "context_parallel" / "split", workspace / "context_parallel" / "single"
     environment = {"DISTRIBUTED_CLM_DTYPE": "float64"}

@@ -132,8 +132,8 @@ def test_alibi_decay_matches_its_formula_and_generates(registered, tmp_path):
 
 
 def test_a_decay_in_a_bidirectional_model_is_refused_when_built(registered):
-    """Registered causal_only, as the README's ALiBi: the bidirectional configs refuse it when built; registered
-    without the flag, the layer refuses it when built (before, the first forward raised)."""
+    """Registered causal_only, as the ALiBi of docs/extending.md: the bidirectional configs refuse it when built;
+    registered without the flag, the layer refuses it when built (before, the first forward raised)."""
     for config_class in (lrpe_hf.LinearRobertaConfig, lrpe_hf.LinearViTConfig):
         with pytest.raises(ValueError, match="'alibi' decays with distance: it is for causal attention only"):
             config_class(positional_encoding="alibi")

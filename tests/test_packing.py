@@ -118,7 +118,9 @@ def test_flattened_batch_loss_equals_the_documents_run_alone(family, encoding):
 def test_the_flattening_collators_kernel_keywords_are_refused_naming_position_ids(keywords):
     """Its flash-attention (cu_seq_lens_*, max_length_*) and recurrent-kernel (seq_idx) keywords repeat what
     position_ids say: refused with the collator call that works, not taken as an unknown argument."""
-    model = LinearGPTForCausalLM(LinearGPTConfig(vocab_size=50, hidden_size=32, num_hidden_layers=1, num_attention_heads=2))
+    model = LinearGPTForCausalLM(
+        LinearGPTConfig(vocab_size=50, hidden_size=32, num_hidden_layers=1, num_attention_heads=2)
+    )
     features = [{"input_ids": ids, "labels": ids} for ids in ([5, 6, 7], [8, 9])]
     batch = DataCollatorWithFlattening(**keywords)(features, return_tensors="pt")
     with pytest.raises(TypeError, match=r"from position_ids alone .*: use DataCollatorWithFlattening\(\) without"):

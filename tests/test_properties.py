@@ -59,7 +59,7 @@ def test_relative_encodings_ignore_a_constant_shift_of_positions(encoding, atten
 def test_relative_encodings_ignore_large_shifts_in_float32(encoding, attention, causal, offset):
     """Angles and permutation powers are reduced exactly, so far-away positions cost no float32 precision.
     At the defaults (elu features). (With dpfp, whose phi(q) . phi(k) can be exactly 0, a signed encoding's
-    unrotated denominator leaves rounding noise / eps in those rows: see the README's numerics note.)"""
+    unrotated denominator leaves rounding noise / eps in those rows: see docs/attention_layer.md, numerics.)"""
     layer = make_layer(encoding, causal=causal, attention=attention).float()
     x = inputs().float()
     positions = torch.arange(13)[None].expand(2, -1)
@@ -176,7 +176,7 @@ def test_cuda_matches_cpu(encoding):
 @pytest.mark.parametrize("feature_map", FEATURE_MAPS)
 @pytest.mark.parametrize("encoding", POSITIONAL_ENCODINGS)
 def test_every_encoding_with_every_feature_map_trains(encoding, feature_map):
-    """The full grid the README promises: forward and backward stay finite, both directions."""
+    """The full grid docs/attention_layer.md promises: forward and backward stay finite, both directions."""
     from lrpe_hf import LinearAttention
 
     for causal in (False, True):

@@ -1,5 +1,6 @@
-"""The README's Python snippets run as written, in a fresh interpreter each, as a newcomer would paste them;
-``python -m lrpe_hf --help`` lists the scripts and each script's --help explains its options."""
+"""The Python snippets of the README and of docs/ run as written, in a fresh interpreter each, as a newcomer would
+paste them; every relative link in them leads to a file of the checkout; ``python -m lrpe_hf --help`` lists the
+scripts and each script's --help explains its options."""
 
 import re
 import subprocess
@@ -13,13 +14,28 @@ from lrpe_hf.training import glue, image_classification, language_modeling, line
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow  # each snippet runs in a fresh interpreter
-SNIPPETS = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S)
+PAGES = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").glob("*.md"))]
+SNIPPETS = [snippet for page in PAGES for snippet in re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.S)]
 HUB_TEACHER = "sentence-transformers/all-MiniLM-L6-v2"  # the long-document snippet's: run with a local stand-in
 OFFLINE = [index for index, snippet in enumerate(SNIPPETS) if HUB_TEACHER not in snippet]
 
 
 def test_the_readme_has_snippets():
-    assert len(SNIPPETS) >= 3
+    assert len(re.findall(r"```python\n", (ROOT / "README.md").read_text())) >= 2 and len(SNIPPETS) >= 6
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_every_relative_link_leads_to_a_file(page):
+    """[text](target): a target that is no URL and no anchor of the same page names a file or folder of the checkout,
+    relative to the page."""
+    targets = re.findall(r"\]\(([^)\s]+)\)", page.read_text())
+    broken = [
+        target
+        for target in targets
+        if not target.startswith(("http://", "https://", "#", "mailto:"))
+        and not (page.parent / target.split("#")[0]).exists()
+    ]
+    assert not broken, f"{page.name}: links to nothing: {broken}"
 
 
 @pytest.mark.parametrize("index", OFFLINE)

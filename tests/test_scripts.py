@@ -259,8 +259,9 @@ def save_with_a_bert_tokenizer(folder, model_class, **fields):
 def test_a_linearized_bert_fine_tunes_on_sentence_pairs(workspace):
     """run_glue on the embedded pair task with a BERT converted by linearize (its tokenizer gives token types 0 and
     1): the segment embeddings carry over and it trains; a model without them stops before training, naming why."""
-    import lrpe_hf
     from transformers import BertConfig, BertForSequenceClassification
+
+    import lrpe_hf
 
     def make_bert(**config):
         return BertForSequenceClassification(BertConfig(**config))
