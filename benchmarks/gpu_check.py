@@ -69,7 +69,7 @@ from pathlib import Path
 import torch
 
 import lrpe_hf
-from lrpe_hf.modeling import attention_kernels
+from lrpe_hf.modeling import products_dispatch
 
 ROOT = Path(__file__).resolve().parents[1]
 MAPS_ONCE = ("exp", "relu", "hedgehog")  # with the none encoding; every encoding runs with its default map
@@ -108,18 +108,18 @@ class FlaCalls:
 
     def __init__(self):
         self.count = 0
-        self.original = attention_kernels.fla_causal_product
+        self.original = products_dispatch.fla_causal_product
 
     def __enter__(self):
         def counted(*args, **kwargs):
             self.count += 1
             return self.original(*args, **kwargs)
 
-        attention_kernels.fla_causal_product = counted
+        products_dispatch.fla_causal_product = counted
         return self
 
     def __exit__(self, *exc):
-        attention_kernels.fla_causal_product = self.original
+        products_dispatch.fla_causal_product = self.original
 
 
 def gpt(encoding, feature_map, backend, s, device):

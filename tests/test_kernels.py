@@ -5,7 +5,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import lrpe_hf
-from lrpe_hf.modeling import attention_kernels, feature_maps, products_chunked, products_shared
+from lrpe_hf.modeling import feature_maps, products_chunked, products_dispatch, products_shared
 from lrpe_hf.modeling.attention_kernels import bidirectional_linear_attention, causal_linear_attention
 from lrpe_hf.modeling.feature_maps import EluFeatureMap, ReluFeatureMap
 from lrpe_hf.modeling.kernel_attention import DivideByDenominator, nonzero
@@ -85,7 +85,7 @@ def test_causal_product_with_one_decay_per_head_equals_the_quadratic_formula(
     initial state, which take the gated product."""
     monkeypatch.setattr(products_shared, "BLOCK_ELEMENTS", block_elements)
     if num_tokens % chunk_size == 0 or not with_initial:
-        monkeypatch.setattr(attention_kernels, "gated_chunks", None)  # calling it fails the test
+        monkeypatch.setattr(products_dispatch, "gated_chunks", None)  # calling it fails the test
     check_causal_against_quadratic(
         num_tokens, chunk_size, "per head", with_initial, False, tokens_first, with_denominator
     )
@@ -484,7 +484,7 @@ def test_a_decay_known_from_consecutive_positions_gives_what_the_gates_give(with
     model = lrpe_hf.LinearGPTForCausalLM(config).eval()  # no dropout; gradients still wanted
     ids = torch.randint(3, 60, (2, 29), generator=torch.Generator().manual_seed(1))
     calls = []
-    original = attention_kernels.uniform_decay
+    original = products_dispatch.uniform_decay
 
     def spy(log_gates, initial_state, resets, known=None):
         calls.append(known is not None)
@@ -492,7 +492,7 @@ def test_a_decay_known_from_consecutive_positions_gives_what_the_gates_give(with
 
     def run(look):
         monkeypatch.setattr(
-            attention_kernels, "uniform_decay", spy if not look else lambda g, i, r, known=None: original(g, i, r)
+            products_dispatch, "uniform_decay", spy if not look else lambda g, i, r, known=None: original(g, i, r)
         )
         model.zero_grad()
         if with_state:

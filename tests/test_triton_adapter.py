@@ -434,11 +434,11 @@ def float32_matmul_precision():
 def test_float32_on_a_gpu_takes_flas_kernels_only_where_tf32_is_allowed(float32_matmul_precision, monkeypatch):
     """fla's kernels multiply float32 in TF32: at torch's default precision ('highest') a float32 product takes the
     torch path on 'auto' and 'triton' says why; with TF32 allowed ('high') fla's kernels take it."""
-    from lrpe_hf.modeling import attention_kernels
+    from lrpe_hf.modeling import products_dispatch
 
     calls = []
-    original = attention_kernels.fla_causal_product
-    monkeypatch.setattr(attention_kernels, "fla_causal_product", lambda *a, **k: calls.append(1) or original(*a, **k))
+    original = products_dispatch.fla_causal_product
+    monkeypatch.setattr(products_dispatch, "fla_causal_product", lambda *a, **k: calls.append(1) or original(*a, **k))
     backends = ("auto", "torch", "triton")
     layers = {b: make_layer("none", causal=True, kernel_backend=b).float().cuda() for b in backends}
     x = torch.randn(1, 70, 16, device="cuda")
@@ -464,11 +464,11 @@ def test_the_triton_path_on_a_gpu_matches_the_torch_path(
     """fla's real kernels against the torch path on the same GPU: forward and gradients, with padding and packed
     documents, then prefill and decoding. float32 with TF32 allowed, as fla's kernels need it; 'auto', so that a
     gated backward fla refuses here (Hopper, Triton < 3.7.1) takes the torch path, and fla's kernels run the rest."""
-    from lrpe_hf.modeling import attention_kernels
+    from lrpe_hf.modeling import products_dispatch
 
     calls = []
-    original = attention_kernels.fla_causal_product
-    monkeypatch.setattr(attention_kernels, "fla_causal_product", lambda *a, **k: calls.append(1) or original(*a, **k))
+    original = products_dispatch.fla_causal_product
+    monkeypatch.setattr(products_dispatch, "fla_causal_product", lambda *a, **k: calls.append(1) or original(*a, **k))
     float32_matmul_precision("high")
     torch.manual_seed(0)
     layers = {

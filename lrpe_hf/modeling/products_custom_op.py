@@ -1,6 +1,6 @@
 """The causal product as torch custom ops, for compiled graphs.
 
-The products (``attention_kernels.causal_linear_attention``: the torch chunked product, a custom autograd Function
+The products (``products_dispatch.eager_causal_product``: the torch chunked product, a custom autograd Function
 that writes into scratch buffers, or fla's Triton kernels on a GPU) are made for eager execution: a compiler cannot
 trace their buffers and ``out=`` writes, and would break the graph around them. Compiled, the layer calls them
 through ``lrpe_hf::causal_product_*`` instead: one opaque op in the graph (and ``causal_product_backward_*`` in
@@ -21,16 +21,16 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from .products_dispatch import eager_causal_product
+
 EMPTY = (0,)  # the shape standing for "none" among an op's tensor outputs, which cannot be None
 # One pair of ops per copy of this file: lrpe_hf's and a checkpoint's remote code can be loaded side by side.
 COPY = __name__.replace(".", "_")
 
 
 def eager_product(q, k, v, log_gates, initial_state, resets, chunk_size, with_denominator, backend):
-    from .attention_kernels import causal_linear_attention  # (a sibling that imports this file)
-
     with torch.autocast(q.device.type, enabled=False):
-        return causal_linear_attention(
+        return eager_causal_product(
             q, k, v, log_gates, initial_state, chunk_size or None, resets, with_denominator, None, backend
         )
 
