@@ -13,7 +13,7 @@ Two parts, measured side by side in one run (the machine may be shared and noisy
    On CUDA with the ``flash-linear-attention`` package, fla's own layer (``fla.layers.LinearAttention``, elu map,
    the same denominator, no output norm) is the layer baseline (row ``fla-layer``).
 
-On a CPU every configuration runs in a forked child process, so that its peak resident memory can be read; on
+On a CPU every configuration runs in a child process, so that its peak resident memory can be read; on
 CUDA it runs in this process and its memory is the allocator's peak, reset before it.
 Writes ``results.csv``, ``results.md``, ``results.png`` and ``results.json`` (the command, commit, machine and
 date) to ``--out`` and prints the summary of ratios.
@@ -58,24 +58,26 @@ def kernel_call(kind, q, k, v):
     return out / (denominator + 1e-6)
 
 
+def measure_kernel(kind, tokens, device, reps, dtype=torch.float32):
+    """One kernel row, in the child: forward and forward+backward milliseconds."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, HEADS, tokens, 64, device=device, dtype=dtype) for _ in range(3))
+    if kind != "sdpa":
+        q, k = F.elu(q) + 1, F.elu(k) + 1
+    if kind == "fla":
+        q, k, v = (x.transpose(1, 2).contiguous() for x in (q, k, v))
+    inputs = [x.detach().requires_grad_() for x in (q, k, v)]
+
+    def train_step():
+        kernel_call(kind, *inputs).float().sum().backward()
+
+    with torch.no_grad():
+        forward = timed(lambda: kernel_call(kind, q, k, v), device, reps)
+    return {"forward_ms": forward, "train_ms": timed(train_step, device, reps)}
+
+
 def kernel_row(kind, tokens, device, reps, dtype=torch.float32):
-    def run():
-        torch.manual_seed(0)
-        q, k, v = (torch.randn(1, HEADS, tokens, 64, device=device, dtype=dtype) for _ in range(3))
-        if kind != "sdpa":
-            q, k = F.elu(q) + 1, F.elu(k) + 1
-        if kind == "fla":
-            q, k, v = (x.transpose(1, 2).contiguous() for x in (q, k, v))
-        inputs = [x.detach().requires_grad_() for x in (q, k, v)]
-
-        def train_step():
-            kernel_call(kind, *inputs).float().sum().backward()
-
-        with torch.no_grad():
-            forward = timed(lambda: kernel_call(kind, q, k, v), device, reps)
-        return {"forward_ms": forward, "train_ms": timed(train_step, device, reps)}
-
-    return in_child(run, device)
+    return in_child(measure_kernel, device, kind, tokens, device, reps, dtype)
 
 
 def fla_layer(hidden, heads):
@@ -89,50 +91,52 @@ def fla_layer(hidden, heads):
     )  # fmt: skip
 
 
+def measure_layer(encoding, attention, causal, tokens, device, reps, compile_layer=False, dtype=torch.float32):
+    """One layer row, in the child: forward and forward+backward milliseconds, the projections' floor, peak memory."""
+    torch.manual_seed(0)
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    baseline = resident_mb()
+    if attention == "fla":
+        layer = fla_layer(HIDDEN, HEADS).to(device)
+    else:
+        options = dict(positional_encoding=encoding, causal=causal, attention=attention, max_positions=tokens)
+        layer = lrpe_hf.LinearAttention(HIDDEN, HEADS, **options).to(device)
+    run_layer = torch.compile(layer) if compile_layer else layer
+    x = torch.randn(1, tokens, HIDDEN, device=device, requires_grad=True)
+
+    autocast = torch.autocast(device, dtype=dtype, enabled=dtype != torch.float32)
+
+    def train_step():
+        with autocast:
+            out = run_layer(x)
+        out = out[0] if isinstance(out, tuple) else out  # fla's layer returns (out, attentions, cache)
+        out.float().sum().backward()
+
+    def projections():  # the floor: the layer's four projections alone, on inputs of the same shape
+        return [proj(x) for proj in (layer.q_proj, layer.k_proj, layer.v_proj, layer.o_proj)]
+
+    def projections_step():
+        with autocast:
+            outs = projections()
+        sum(out.float().sum() for out in outs).backward()
+
+    train_step()
+    memory = peak_memory_mb(device, baseline)
+    with torch.no_grad(), autocast:
+        forward, floor_forward = timed_alternately([lambda: run_layer(x), projections], device, reps)
+    train, floor_train = timed_alternately([train_step, projections_step], device, reps)
+    return {
+        "forward_ms": forward,
+        "train_ms": train,
+        "peak_mb": memory,
+        "floor_forward_ms": floor_forward,
+        "floor_train_ms": floor_train,
+    }
+
+
 def layer_row(encoding, attention, causal, tokens, device, reps, compile_layer=False, dtype=torch.float32):
-    def run():
-        torch.manual_seed(0)
-        if device == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-        baseline = resident_mb()
-        if attention == "fla":
-            layer = fla_layer(HIDDEN, HEADS).to(device)
-        else:
-            options = dict(positional_encoding=encoding, causal=causal, attention=attention, max_positions=tokens)
-            layer = lrpe_hf.LinearAttention(HIDDEN, HEADS, **options).to(device)
-        run_layer = torch.compile(layer) if compile_layer else layer
-        x = torch.randn(1, tokens, HIDDEN, device=device, requires_grad=True)
-
-        autocast = torch.autocast(device, dtype=dtype, enabled=dtype != torch.float32)
-
-        def train_step():
-            with autocast:
-                out = run_layer(x)
-            out = out[0] if isinstance(out, tuple) else out  # fla's layer returns (out, attentions, cache)
-            out.float().sum().backward()
-
-        def projections():  # the floor: the layer's four projections alone, on inputs of the same shape
-            return [proj(x) for proj in (layer.q_proj, layer.k_proj, layer.v_proj, layer.o_proj)]
-
-        def projections_step():
-            with autocast:
-                outs = projections()
-            sum(out.float().sum() for out in outs).backward()
-
-        train_step()
-        memory = peak_memory_mb(device, baseline)
-        with torch.no_grad(), autocast:
-            forward, floor_forward = timed_alternately([lambda: run_layer(x), projections], device, reps)
-        train, floor_train = timed_alternately([train_step, projections_step], device, reps)
-        return {
-            "forward_ms": forward,
-            "train_ms": train,
-            "peak_mb": memory,
-            "floor_forward_ms": floor_forward,
-            "floor_train_ms": floor_train,
-        }
-
-    return in_child(run, device)
+    return in_child(measure_layer, device, encoding, attention, causal, tokens, device, reps, compile_layer, dtype)
 
 
 def main():

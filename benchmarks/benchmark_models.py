@@ -2,7 +2,7 @@
 
 Both models: 6 layers x 512, 8 heads, FFN 2048, vocabulary 8192, batch 1, fp32 (or bf16 autocast with
 ``--dtype bf16``). Measured side by side in
-one run, each configuration on a CPU in a forked child (peak memory of its own; on CUDA in this process, from a
+one run, each configuration on a CPU in a child (peak memory of its own; on CUDA in this process, from a
 reset allocator peak):
 
 - forward+backward of one sequence of N tokens (LM loss): seconds, tokens/s, peak memory (growth, and on a CPU
@@ -78,27 +78,53 @@ def build(name, max_tokens, device):
     return model.to(device)
 
 
+def measure_training(name, tokens, device, reps, dtype=torch.float32):
+    """One training row, in the child: seconds a step, tokens/s, peak memory."""
+    baseline = resident_mb()
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    model = build(name, tokens, device).train()
+    ids = torch.randint(0, SIZE["vocab"], (1, tokens), device=device)
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        with autocast(device, dtype):
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+
+    step()
+    memory, high_water_mark = peak_memory_mb(device, baseline), high_water_mark_mb()
+    ms = timed(step, device, reps)
+    result = {"seconds": ms / 1000, "tokens_per_s": tokens / (ms / 1000), "peak_mb": memory}
+    return result | ({"vm_hwm_mb": high_water_mark} if device == "cpu" else {})
+
+
 def train_row(name, tokens, device, reps, dtype=torch.float32):
-    def run():
-        baseline = resident_mb()
-        if device == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-        model = build(name, tokens, device).train()
-        ids = torch.randint(0, SIZE["vocab"], (1, tokens), device=device)
+    return in_child(measure_training, device, name, tokens, device, reps, dtype)
 
-        def step():
-            model.zero_grad(set_to_none=True)
-            with autocast(device, dtype):
-                loss = model(input_ids=ids, labels=ids, use_cache=False).loss
-            loss.backward()
 
-        step()
-        memory, high_water_mark = peak_memory_mb(device, baseline), high_water_mark_mb()
-        ms = timed(step, device, reps)
-        result = {"seconds": ms / 1000, "tokens_per_s": tokens / (ms / 1000), "peak_mb": memory}
-        return result | ({"vm_hwm_mb": high_water_mark} if device == "cpu" else {})
+def measure_generation(name, context, device, reps, batch=1, new_tokens=16, dtype=torch.float32):
+    """One decoding row, in the child (``generation_row`` says how it is timed)."""
+    model = build(name, context + (reps + 1) * new_tokens + 1, device).eval()
+    step = model
+    if name.endswith("+compile"):
+        step = torch.compile(model)
+    elif name.endswith("+graphs"):
+        step = torch.compile(model, mode="reduce-overhead")
+    ids = torch.randint(0, SIZE["vocab"], (batch, context), device=device)
+    with torch.no_grad(), autocast(device, dtype):
+        cache = LinearAttentionCache(SIZE["layers"]) if not name.startswith("gpt2") else None
+        out = model(input_ids=ids, use_cache=True, logits_to_keep=1, **{CACHE_OUTPUT_FIELD: cache})  # prefill
+        cache = out[CACHE_OUTPUT_FIELD]
+        token = out.logits[:, -1:].argmax(-1)
 
-    return in_child(run, device)
+        def one_token():
+            nonlocal token
+            out = step(input_ids=token, use_cache=True, **{CACHE_OUTPUT_FIELD: cache})
+            token = out.logits[:, -1:].argmax(-1)
+
+        total = timed(lambda: [one_token() for _ in range(new_tokens)], device, reps)
+    return {"ms_per_token": total / new_tokens, "tokens_per_s": 1000 * batch * new_tokens / total}
 
 
 def generation_row(name, context, device, reps, batch=1, new_tokens=16, dtype=torch.float32):
@@ -106,30 +132,7 @@ def generation_row(name, context, device, reps, batch=1, new_tokens=16, dtype=to
     ``reps`` timed rounds (the context grows by ``new_tokens`` each round). With a ``+compile`` suffix the steps
     (not the prefill) run through ``torch.compile``, compiled during the warm-up round; with ``+graphs``, through
     ``torch.compile(mode="reduce-overhead")``, which on a GPU replays each step as a CUDA graph."""
-
-    def run():
-        model = build(name, context + (reps + 1) * new_tokens + 1, device).eval()
-        step = model
-        if name.endswith("+compile"):
-            step = torch.compile(model)
-        elif name.endswith("+graphs"):
-            step = torch.compile(model, mode="reduce-overhead")
-        ids = torch.randint(0, SIZE["vocab"], (batch, context), device=device)
-        with torch.no_grad(), autocast(device, dtype):
-            cache = LinearAttentionCache(SIZE["layers"]) if not name.startswith("gpt2") else None
-            out = model(input_ids=ids, use_cache=True, logits_to_keep=1, **{CACHE_OUTPUT_FIELD: cache})  # prefill
-            cache = out[CACHE_OUTPUT_FIELD]
-            token = out.logits[:, -1:].argmax(-1)
-
-            def one_token():
-                nonlocal token
-                out = step(input_ids=token, use_cache=True, **{CACHE_OUTPUT_FIELD: cache})
-                token = out.logits[:, -1:].argmax(-1)
-
-            total = timed(lambda: [one_token() for _ in range(new_tokens)], device, reps)
-        return {"ms_per_token": total / new_tokens, "tokens_per_s": 1000 * batch * new_tokens / total}
-
-    return in_child(run, device)
+    return in_child(measure_generation, device, name, context, device, reps, batch, new_tokens, dtype)
 
 
 def main():

@@ -81,7 +81,7 @@ def sizes(dry_run: bool) -> dict:
     if dry_run:
         return dict(
             device="cpu", tokens=96, hidden=32, layers=1, heads=2, new_tokens=4, decoding=["none"],
-            attention=["--lengths", "64", "--reps", "1", "--encodings", "none", "rope"],
+            attention=["--lengths", "64", "--reps", "1", "--encodings", "none", "rope", "--modes", "causal"],
             models=["--lengths", "64", "--contexts", "32", "--batch-contexts", "--reps", "1", "--encodings", "none",
                     "none+compile", "--gpt2-max", "64"],
             shape_tokens=256, overhead_tokens=64, overhead=["none"],

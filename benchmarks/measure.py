@@ -2,8 +2,9 @@
 
 import csv
 import gc
-import json
+import importlib.util
 import math
+import multiprocessing
 import os
 import resource
 import statistics
@@ -99,7 +100,7 @@ def resident_mb():
 
 
 def high_water_mark_mb():
-    """VmHWM: the peak resident memory of this process so far (a forked child starts from its parent's pages)."""
+    """VmHWM: the peak resident memory of this process so far."""
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) / 1024
 
@@ -111,33 +112,46 @@ def peak_memory_mb(device, baseline_mb):
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - baseline_mb
 
 
-def in_child(fn, device="cpu"):
-    """Run ``fn`` in a forked process (so its peak memory is its own) and return its result dict, or
-    {"error": ...} when it raised or was killed (for example for memory). On CUDA, which cannot be used again in a
-    forked child once the parent has queried it, ``fn`` runs in this process: its peak memory is then read from
-    the allocator's peak, reset inside ``fn``."""
+def in_child(fn, device="cpu", *args):
+    """``fn(*args)`` in a child process (so its peak memory is its own), its result dict returned, or
+    {"error": ...} when it raised or was killed (for example for memory). ``fn`` is a top-level function of a
+    benchmark file, which the child imports by path (the file may be run as __main__, or through runpy). Not forked
+    from this process: a fork after torch's (or another library's) thread pools started can deadlock in the child.
+    Children fork from multiprocessing's fork server, which has imported torch, transformers and lrpe_hf and run
+    nothing (a spawned child would import them again, seconds a configuration); spawned where there is no fork
+    server. On CUDA, which a child would have to initialise again, ``fn`` runs in this process: its peak memory is
+    then read from the allocator's peak, reset inside ``fn``."""
     if device == "cuda":
         try:
-            return fn()
+            return fn(*args)
         except Exception as error:
             return {"error": f"{type(error).__name__}: {str(error)[:80]}"}
         finally:  # the next configuration starts clean: no tensors, no compiled graphs (dynamo caps recompiles)
             torch._dynamo.reset()
             gc.collect()
             torch.cuda.empty_cache()
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        os.close(read)
-        try:
-            result = fn()
-        except Exception as error:
-            result = {"error": f"{type(error).__name__}: {str(error)[:80]}"}
-        with os.fdopen(write, "w") as out:
-            json.dump(result, out)
-        os._exit(0)
-    os.close(write)
-    with os.fdopen(read) as pipe:
-        text = pipe.read()
-    os.waitpid(pid, 0)
-    return json.loads(text) if text else {"error": "child died (out of memory?)"}
+    if "forkserver" in multiprocessing.get_all_start_methods():
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload(["torch", "transformers", "lrpe_hf"])
+    else:
+        context = multiprocessing.get_context("spawn")
+    results = context.SimpleQueue()
+    child = context.Process(target=run_from_file, args=(fn.__code__.co_filename, fn.__name__, args, results))
+    child.start()
+    child.join()
+    if results.empty():
+        return {"error": f"child died (exit code {child.exitcode}; out of memory?)"}
+    return results.get()
+
+
+def run_from_file(path: str, name: str, args: tuple, results):
+    """A spawned child's work: import the benchmark file ``path`` as a module, call its ``name(*args)``, put the
+    result (or the error) on ``results``."""
+    spec = importlib.util.spec_from_file_location(f"benchmark_{Path(path).stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    try:
+        result = getattr(module, name)(*args)
+    except Exception as error:
+        result = {"error": f"{type(error).__name__}: {str(error)[:80]}"}
+    results.put(result)
