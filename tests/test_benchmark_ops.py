@@ -1,5 +1,5 @@
-"""benchmarks/count_ops.py: its counting rule, the per-layer share, the fla stand-ins and the roofline's inputs, on
-tiny models (the figures themselves are the script's, run by hand)."""
+"""benchmarks/count_ops.py and roofline.py: the counting rule, the per-layer share, the fla stand-ins and the
+roofline's inputs, on tiny models (the figures themselves are the scripts', run by hand)."""
 
 import importlib
 import sys
@@ -13,6 +13,7 @@ import lrpe_hf
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 count_ops = importlib.import_module("count_ops")
+roofline = importlib.import_module("roofline")
 
 TINY = dict(layers=2, hidden=32, heads=2, ffn=128, vocab=64)  # ffn = 4 x hidden, as GPT-2's
 
@@ -229,19 +230,19 @@ def test_the_roofline_gemms_are_the_projections_and_mlp_and_fake_bytes_are_real_
     """GPT-2's layer: 72 N d^2 GEMM FLOPs (forward + backward of 12 d^2 per token); a shape-only (fake) run records
     the ops and bytes a real run records."""
     tokens, d = 64, TINY["hidden"]
-    ops, _ = count_ops.layer_ops(count_ops.GPT2, tokens, TINY)
+    ops, _ = roofline.layer_ops(count_ops.GPT2, tokens, TINY)
     assert sum(flops for _, kind, flops, _ in ops if kind == "gemm") == 72 * tokens * d * d
     for name in (count_ops.GPT2, "rope"):
-        fake, fake_calls = count_ops.layer_ops(name, tokens, TINY)
-        real, real_calls = count_ops.layer_ops(name, tokens, TINY, fake=False)
+        fake, fake_calls = roofline.layer_ops(name, tokens, TINY)
+        real, real_calls = roofline.layer_ops(name, tokens, TINY, fake=False)
         assert [(n, kind, moved) for n, kind, _, moved in fake] == [(n, kind, moved) for n, kind, _, moved in real]
         assert fake_calls == real_calls
     assert [call[1] for call in fake_calls] == ["forward", "backward"]
 
 
 def test_fla_cost_is_linear_in_tokens_and_flash_attention_quadratic():
-    one, two = count_ops.fla_chunk_cost(8192, 8, 64, 64), count_ops.fla_chunk_cost(16384, 8, 64, 64)
+    one, two = roofline.fla_chunk_cost(8192, 8, 64, 64), roofline.fla_chunk_cost(16384, 8, 64, 64)
     assert two["flops"] == 2 * one["flops"] and two["bytes"] == 2 * one["bytes"]
-    assert count_ops.flash_attention_flops(16384, 512) == 4 * count_ops.flash_attention_flops(8192, 512)
+    assert roofline.flash_attention_flops(16384, 512) == 4 * roofline.flash_attention_flops(8192, 512)
     # per head: 14 N K V + 8 N C K + 6 N C V
     assert one["flops"] == 8 * 8192 * (14 * 64 * 64 + 8 * 64 * 64 + 6 * 64 * 64)

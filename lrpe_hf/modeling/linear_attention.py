@@ -22,7 +22,6 @@ from dataclasses import replace
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensor
 
 from .attention_options import AttentionOptions
 from .attention_state import ValueHistory
@@ -30,35 +29,11 @@ from .context_parallel import active_group, incoming_counters, refuse_packed_bid
 from .kernel_attention import KernelAttention
 from .positional_encoding import NoPositionalEncoding
 from .positions import check_position_ids, default_position_ids, find_documents, mask_as_bool, position_steps
+from .projections import project
 from .registry import build_positional_encoding, positional_encoding_entry
 from .softmax_attention import SoftmaxAttention
 
 ATTENTION_PATHS = {"linear": KernelAttention, "softmax": SoftmaxAttention}
-
-
-def joinable(projections) -> bool:
-    """Whether ``joined_projections`` computes these projections: in training (a weight wants its gradient), for
-    plain ``nn.Linear`` layers (not adapters) with plain weights (not quantised or sharded: a shape-only run's fakes
-    are plain) and no hooks of their own or global ones, one dtype and device, and biases all or none."""
-    if not torch.is_grad_enabled() or not any(p.weight.requires_grad for p in projections):
-        return False
-    if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
-        return False
-    weights = [p.weight for p in projections]
-    plain = all(type(p) is nn.Linear and not (p._forward_hooks or p._forward_pre_hooks) for p in projections)
-    plain = plain and all(type(w) is nn.Parameter or isinstance(w, FakeTensor) for w in weights)
-    same = len({(w.dtype, w.device) for w in weights}) == 1 and len({p.bias is None for p in projections}) == 1
-    return plain and same
-
-
-def joined_projections(projections, x):
-    """x (B, N, d) through the projections' weights joined into one (sum of outs, d): one product forward and one
-    of each kind backward (the input's gradient, the weights', the biases'), where three projections take three of
-    each and two sums of the input's gradients; the joining copy is of the weights, not of the activations.
-    Returns (B, N, sum of outs): the projections' outputs side by side."""
-    weight = torch.cat([p.weight for p in projections])
-    bias = None if projections[0].bias is None else torch.cat([p.bias for p in projections])
-    return nn.functional.linear(x, weight, bias)
 
 
 class LinearAttention(nn.Module):
@@ -164,20 +139,6 @@ class LinearAttention(nn.Module):
         B, N, _ = x.shape
         return x.view(B, N, self.num_heads, self.head_dim).transpose(1, 2)
 
-    def project(self, hidden_states, with_values: bool = True) -> tuple:
-        """q, k and (``with_values``) v, each (B, N, hidden_size): in training one product by the projections'
-        weights joined (``joined_projections``), else each projection's own. The joined v is copied into memory of
-        its own: the products keep v for backward, and a view would keep q's and k's columns alive with it (3x the
-        memory); fla's path would make that copy anyway. Not where the encoding keeps q and k themselves
-        (``keeps_query_key``): their columns stay alive then, and a copy would keep one v more."""
-        projections = (self.q_proj, self.k_proj, self.v_proj) if with_values else (self.q_proj, self.k_proj)
-        if joinable(projections):
-            outputs = joined_projections(projections, hidden_states).split(self.hidden_size, dim=-1)
-            if with_values and not self.positional_encoding.keeps_query_key:
-                return (*outputs[:2], outputs[2].contiguous())
-            return outputs
-        return tuple(projection(hidden_states) for projection in projections)
-
     def forward(
         self,
         hidden_states,
@@ -254,7 +215,8 @@ class LinearAttention(nn.Module):
             self.redraw_random_features()
         if shared_draw is None and self.shared_codes is not None:
             shared_draw = self.shared_codes.draw(hidden_states.device)
-        projections = self.project(hidden_states, with_values=values is None)
+        projected_qkv = (self.q_proj, self.k_proj) + ((self.v_proj,) if values is None else ())
+        projections = project(projected_qkv, hidden_states, keep_views=self.positional_encoding.keeps_query_key)
         q, k = (self.split_heads(x) for x in projections[:2])
         v = self.split_heads(projections[2]) if values is None else values
         if mask is not None:  # padded values contribute nothing, in every path (and in saved states)
