@@ -58,6 +58,7 @@ import torch.distributed as dist
 
 from .attention_kernels import causal_linear_attention
 from .attention_state import LinearAttentionState
+from .registry import positional_encoding_entry
 
 
 @dataclass(frozen=True)
@@ -165,6 +166,23 @@ def tokens_through(num_tokens: int, device, cp: ContextParallelGroup) -> int:
     gone after this rank's slice (one all-gather of one number)."""
     counts = gathered(torch.tensor([num_tokens], device=device), cp)
     return int(torch.cat(counts)[: cp.rank + 1].sum())
+
+
+def refuse_unsplit_layer(layer, state):
+    """Raise, saying why, where context parallelism cannot split ``layer`` (a ``LinearAttention``; the module's
+    docstring lists what and why): ``state`` a recurrent state given to it, or None."""
+    encoding = layer.options.positional_encoding
+    why = None
+    if state is not None and state.num_tokens is not None:
+        why = "a recurrent state that has seen tokens was passed: a split call starts a sequence"
+    elif layer.options.attention == "softmax":
+        why = "softmax attention is the quadratic baseline: accelerate's own context parallelism splits SDPA"
+    elif layer.positional_encoding.has_value_bias:
+        why = f"{encoding} biases with every earlier value, which this rank does not hold"
+    elif layer.training and positional_encoding_entry(encoding).build_shared is not None:
+        why = f"{encoding} draws random codes in training, which the ranks would draw apart"
+    if why:
+        raise ValueError(f"Context parallelism cannot run this layer: {why}")
 
 
 def refuse_in_context_parallel(what: str):

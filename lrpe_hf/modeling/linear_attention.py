@@ -25,7 +25,7 @@ from torch import nn
 
 from .attention_options import AttentionOptions
 from .attention_state import ValueHistory
-from .context_parallel import active_group, incoming_counters, refuse_packed_bidirectional_rows
+from .context_parallel import active_group, incoming_counters, refuse_packed_bidirectional_rows, refuse_unsplit_layer
 from .kernel_attention import KernelAttention
 from .positional_encoding import NoPositionalEncoding
 from .positions import check_position_ids, default_position_ids, find_documents, mask_as_bool, position_steps
@@ -121,20 +121,6 @@ class LinearAttention(nn.Module):
         past = state.num_tokens if state is not None and state.num_tokens is not None else 0
         return default_position_ids(mask, batch_size, num_tokens, device, past)[..., None]
 
-    def check_context_parallel(self, state):
-        """Refuse, saying why, what context parallelism does not split (``context_parallel``'s docstring)."""
-        why = None
-        if state is not None and state.num_tokens is not None:
-            why = "a recurrent state that has seen tokens was passed: a split call starts a sequence"
-        elif isinstance(self.attention, SoftmaxAttention):
-            why = "softmax attention is the quadratic baseline: accelerate's own context parallelism splits SDPA"
-        elif self.positional_encoding.has_value_bias:
-            why = f"{self.options.positional_encoding} biases with every earlier value, which this rank does not hold"
-        elif self.training and positional_encoding_entry(self.options.positional_encoding).build_shared is not None:
-            why = f"{self.options.positional_encoding} draws random codes in training, which the ranks would draw apart"
-        if why:
-            raise ValueError(f"Context parallelism cannot run this layer: {why}")
-
     def split_heads(self, x):
         B, N, _ = x.shape
         return x.view(B, N, self.num_heads, self.head_dim).transpose(1, 2)
@@ -202,7 +188,7 @@ class LinearAttention(nn.Module):
         if cp is None:
             positions = self.positions(position_ids, mask, state, B, N, hidden_states.device)
         else:  # this rank's slice: positions continue from the earlier ranks' tokens, as from a recurrent state
-            self.check_context_parallel(state)
+            refuse_unsplit_layer(self, state)
             device = hidden_states.device
             given = None if position_ids is None else self.positions(position_ids, mask, None, B, N, device)
             counters = counters if counters is not None else incoming_counters(given, mask, B, N, device, cp)
