@@ -243,6 +243,42 @@ def test_meta_device_loading_under_fsdp_trains_to_the_single_process_weights_flo
 
 
 @pytest.fixture(scope="module")
+def data_parallel_runs(workspace):
+    """The same float64 training (rope) under DDP on two CPU processes (accelerate launch --multi_gpu, per-device
+    batch 2) and on one process with batch 4."""
+    common = ["--tokenizer_name", workspace / "tokenizer", "--train_file", workspace / "train.txt"]
+    common += ["--positional_encoding", "rope", "--config_overrides", json.dumps(OVERRIDES)]
+    for name, value in SIZES.items():
+        common += [f"--{name}", value]
+    common += ["--block_size", "64", "--max_steps", STEPS, "--learning_rate", "1e-2", "--do_train"]
+    common += ["--logging_steps", "1", "--report_to", "none", "--disable_tqdm", "true", "--save_strategy", "no"]
+    common += ["--seed", "0", "--use_cpu"]
+    script = ROOT / "tests/distributed_clm.py"
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--multi_gpu"]
+    launch += ["--num_machines", "1", "--main_process_port", free_port(), "--mixed_precision", "no"]
+    launch += ["--dynamo_backend", "no"]
+    ddp, single = workspace / "data_parallel" / "ddp", workspace / "data_parallel" / "single"
+    environment = {"DISTRIBUTED_CLM_DTYPE": "float64"}
+    run([*launch, script, *common, "--per_device_train_batch_size", "2", "--output_dir", ddp], environment)
+    run([sys.executable, script, *common, "--per_device_train_batch_size", "4", "--output_dir", single], environment)
+    return ddp, single
+
+
+def test_ddp_training_on_two_processes_equals_one_process_float64(data_parallel_runs):
+    """DDP (what accelerate launch runs on CPU processes without FSDP): each process saw its half of the single
+    run's batch, and the losses, gradient norms and weights equal one process's with the whole batch."""
+    ddp, single = data_parallel_runs
+    ranks, alone = records(ddp, 2), records(single, 1)[0]
+    for step in range(STEPS):
+        assert ranks[0]["steps"][step]["rows"] + ranks[1]["steps"][step]["rows"] == alone["steps"][step]["rows"]
+    assert not any(p["dtensor"] for p in ranks[0]["steps"][0]["parameters"].values())  # DDP: whole parameters
+    assert_same_training_log(ddp, single, grad_norm_rel=1e-12)
+    ours, theirs = load_file(ddp / "model.safetensors"), load_file(single / "model.safetensors")
+    assert ours.keys() == theirs.keys() and ours["model.norm.weight"].dtype == torch.float64
+    assert max_difference(ours, theirs, theirs) < FLOAT64_ATOL
+
+
+@pytest.fixture(scope="module")
 def context_parallel_runs(workspace):
     """The same float64 training (permute: a decay, so the ranks' states combine with their decays) on four
     processes, 2 x 2 (``--context_parallel_size 2``: two data-parallel groups of two processes, each splitting its

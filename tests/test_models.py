@@ -306,6 +306,8 @@ def test_compiled_training_layer_has_the_eager_values_and_gradients(encoding, mo
 
 COMPILED_LAYERS = [(encoding, feature_map) for encoding in lrpe_hf.POSITIONAL_ENCODINGS if encoding != "spe_conv"
                    for feature_map in ("elu", SECOND_FEATURE_MAP[encoding])]  # fmt: skip
+COMPILED_LAYERS += [("lrpe_orthogonal", "hedgehog"), ("none", "t2r")]  # the learnable maps, which linearize uses
+assert {feature_map for _, feature_map in COMPILED_LAYERS} == set(lrpe_hf.FEATURE_MAPS)
 
 
 @pytest.mark.parametrize("encoding, feature_map", COMPILED_LAYERS)

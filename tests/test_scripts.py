@@ -497,7 +497,7 @@ def test_accelerate_launch_with_two_processes(workspace):
         "accelerate.commands.launch",
         "--num_processes",
         "2",
-        "--cpu",
+        "--multi_gpu",  # torchrun's launcher: with --cpu instead, accelerate 1.15 starts one process
         "--num_machines",
         "1",
         "--mixed_precision",
@@ -520,6 +520,7 @@ def test_accelerate_launch_with_two_processes(workspace):
         "2",
         "--output_dir",
         str(out),
+        "--use_cpu",
         *QUIET,
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -527,6 +528,7 @@ def test_accelerate_launch_with_two_processes(workspace):
     assert result.returncode == 0, result.stderr[-3000:]
     state = json.loads((out / "trainer_state.json").read_text())
     assert state["global_step"] == 3
+    assert state["num_input_tokens_seen"] == 3 * 2 * 2 * 64  # steps x processes x per-device rows x tokens
     assert (out / "model.safetensors").exists()
 
 
