@@ -242,26 +242,33 @@ def test_meta_device_loading_under_fsdp_trains_to_the_single_process_weights_flo
     assert max_difference(theirs, start, theirs) > 100 * FLOAT32_ATOL  # training moved the weights
 
 
-@pytest.fixture(scope="module")
-def data_parallel_runs(workspace):
-    """The same float64 training (rope) under DDP on two CPU processes (accelerate launch --multi_gpu, per-device
-    batch 2) and on one process with batch 4."""
+def launched_and_alone(workspace, folder: str, encoding: str, processes: int, extra=()):
+    """The same float64 training of ``encoding`` on ``processes`` CPU processes (accelerate launch --multi_gpu,
+    per-device batch 2, the script's ``extra`` arguments) and on one process with batch 4 (the global batch of two
+    data-parallel processes or groups): returns the two output folders."""
     common = ["--tokenizer_name", workspace / "tokenizer", "--train_file", workspace / "train.txt"]
-    common += ["--positional_encoding", "rope", "--config_overrides", json.dumps(OVERRIDES)]
+    common += ["--positional_encoding", encoding, "--config_overrides", json.dumps(OVERRIDES)]
     for name, value in SIZES.items():
         common += [f"--{name}", value]
     common += ["--block_size", "64", "--max_steps", STEPS, "--learning_rate", "1e-2", "--do_train"]
     common += ["--logging_steps", "1", "--report_to", "none", "--disable_tqdm", "true", "--save_strategy", "no"]
     common += ["--seed", "0", "--use_cpu"]
     script = ROOT / "tests/distributed_clm.py"
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--multi_gpu"]
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", processes, "--multi_gpu"]
     launch += ["--num_machines", "1", "--main_process_port", free_port(), "--mixed_precision", "no"]
     launch += ["--dynamo_backend", "no"]
-    ddp, single = workspace / "data_parallel" / "ddp", workspace / "data_parallel" / "single"
+    launched, single = workspace / folder / "launched", workspace / folder / "single"
     environment = {"DISTRIBUTED_CLM_DTYPE": "float64"}
-    run([*launch, script, *common, "--per_device_train_batch_size", "2", "--output_dir", ddp], environment)
+    run([*launch, script, *common, "--per_device_train_batch_size", "2", *extra, "--output_dir", launched], environment)
     run([sys.executable, script, *common, "--per_device_train_batch_size", "4", "--output_dir", single], environment)
-    return ddp, single
+    return launched, single
+
+
+@pytest.fixture(scope="module")
+def data_parallel_runs(workspace):
+    """The same float64 training (rope) under DDP on two CPU processes (per-device batch 2) and on one process
+    with batch 4."""
+    return launched_and_alone(workspace, "data_parallel", "rope", 2)
 
 
 def test_ddp_training_on_two_processes_equals_one_process_float64(data_parallel_runs):
@@ -284,31 +291,7 @@ def context_parallel_runs(workspace):
     processes, 2 x 2 (``--context_parallel_size 2``: two data-parallel groups of two processes, each splitting its
     64-token blocks in halves; per-device batch 2) and on one process with batch 4. The sampler hands the two
     groups the batches one process of batch 4 takes, in the same order."""
-    common = ["--tokenizer_name", workspace / "tokenizer", "--train_file", workspace / "train.txt"]
-    common += ["--positional_encoding", "permute", "--config_overrides", json.dumps(OVERRIDES)]
-    for name, value in SIZES.items():
-        common += [f"--{name}", value]
-    common += ["--block_size", "64", "--max_steps", STEPS, "--learning_rate", "1e-2", "--do_train"]
-    common += ["--logging_steps", "1", "--report_to", "none", "--disable_tqdm", "true", "--save_strategy", "no"]
-    common += ["--seed", "0", "--use_cpu"]
-    script = ROOT / "tests/distributed_clm.py"
-    launch = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--num_processes",
-        "4",
-        "--multi_gpu",
-        "--num_machines",
-        "1",
-    ]
-    launch += ["--main_process_port", free_port(), "--mixed_precision", "no", "--dynamo_backend", "no"]
-    split, single = workspace / "context_parallel" / "split", workspace / "context_parallel" / "single"
-    environment = {"DISTRIBUTED_CLM_DTYPE": "float64"}
-    split_run = [*launch, script, *common, "--per_device_train_batch_size", "2", "--context_parallel_size", "2"]
-    run([*split_run, "--output_dir", split], environment)
-    run([sys.executable, script, *common, "--per_device_train_batch_size", "4", "--output_dir", single], environment)
-    return split, single
+    return launched_and_alone(workspace, "context_parallel", "permute", 4, ["--context_parallel_size", "2"])
 
 
 def test_context_parallel_training_on_2_x_2_processes_equals_one_process_float64(context_parallel_runs):
