@@ -279,3 +279,41 @@ def test_without_feature_maps_each_encoding_gets_its_default(tmp_path):
     assert [run["feature_map"] for run in runs[:4]] == expected
     assert [run["name"] for run in runs[:4]][-1] == "softmax_rope-seed0"
     assert len(runs) == 4 * settings["seeds"]
+
+
+def test_an_encoding_in_its_authors_setup_builds_the_authors_model(tmp_path):
+    """``lrpe_orthogonal@authors``: the output LayerNorm, token embeddings times sqrt(d), sinusoidal positions,
+    for the causal and the masked LM; the sweep's own --config_overrides still win; elsewhere a clear refusal."""
+    from lrpe_hf import LinearGPTConfig, LinearRobertaConfig
+    from lrpe_hf.training.arguments import ModelArguments, build_config
+    from lrpe_hf.training.compare_tasks import model_arguments
+
+    for task, config_class in (("clm", LinearGPTConfig), ("mlm", LinearRobertaConfig)):
+        settings = compare.resolve(
+            compare.CompareArguments(
+                task=task, encodings="lrpe_orthogonal@authors,rope", hidden_size=64, output_dir=str(tmp_path)
+            )
+        )
+        runs = compare.plan_runs(settings)
+        assert runs[0]["name"] == "lrpe_orthogonal_authors-elu-seed0" and runs[0]["feature_map"] == "elu"
+        configs = []
+        for run in runs[:2]:
+            (parsed,) = compare.HfArgumentParser(ModelArguments).parse_args_into_dataclasses(
+                args=[str(a) for a in model_arguments(run)]
+            )
+            configs.append(build_config(parsed, config_class))
+        authors, rope = configs
+        assert authors.positional_encoding == "lrpe_orthogonal" and authors.normalization == "output_layer_norm"
+        assert authors.embedding_multiplier == 8.0 and authors.absolute_position_embedding == "sinusoidal"
+        assert rope.normalization is None or rope.normalization == "unrotated_denominator"
+        assert rope.embedding_multiplier == 1.0
+    run = dict(runs[0], settings=dict(runs[0]["settings"], config_overrides='{"embedding_multiplier": 2.0}'))
+    (parsed,) = compare.HfArgumentParser(ModelArguments).parse_args_into_dataclasses(
+        args=[str(a) for a in model_arguments(run)]
+    )
+    assert build_config(parsed, LinearRobertaConfig).embedding_multiplier == 2.0
+    with pytest.raises(ValueError, match="Unknown encoding.*rope@authors.*lrpe_unitary@authors"):
+        compare.resolve(compare.CompareArguments(task="clm", encodings="rope@authors", output_dir=str(tmp_path)))
+    image = compare.resolve(compare.CompareArguments(task="image", encodings="lrpe_unitary@authors"))
+    with pytest.raises(ValueError, match="LinearViTConfig has no field embedding_multiplier"):
+        compare.check_configs(compare.plan_runs(image))

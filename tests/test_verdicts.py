@@ -55,6 +55,9 @@ def test_verdicts_follow_the_sign_of_the_interval_and_the_metrics_direction():
     assert paired_claim(rows({"a": [0.5], "b": [0.4]}, "accuracy"), Claim("a", "b", "accuracy", "")).verdict == (
         "inconclusive"  # one pair has no interval
     )
+    same_gap = rows({"a": [0.6, 0.6, 0.6], "b": [0.5, 0.5, 0.5]}, "accuracy")  # seeds that changed nothing
+    test = paired_claim(same_gap, Claim("a", "b", "accuracy", ""))
+    assert test.verdict == "inconclusive" and math.isnan(test.low) and math.isnan(test.p_value)
 
 
 def test_the_presets_claims_name_their_encodings_and_the_table_skips_what_did_not_run():
@@ -63,6 +66,21 @@ def test_the_presets_claims_name_their_encodings_and_the_table_skips_what_did_no
             assert {claim.better, claim.worse} <= set(preset["encodings"]), (name, claim)
     table = claims_table(rows({"rope": [1.0, 2.0], "none": [2.0, 3.0]}, "perplexity"), presets.TABLE2_CLAIMS)
     assert len(table) == 3 and "rope better than none" in table[2]
+
+
+def test_claims_are_tested_again_for_the_encodings_run_in_their_authors_setup():
+    """The LRPE claims of Table 2 against the authors' LRPE, where only those ran, and beside the default's."""
+    ran = {"rope": [3.0, 4.0, 5.0], "lrpe_orthogonal@authors": [1.0, 2.5, 3.0], "lrpe_permutation@authors": [5, 6, 8]}
+    table = claims_table(rows(ran, "perplexity"), presets.TABLE2_CLAIMS)
+    claims = [line.split(" | ")[0].removeprefix("| ") for line in table[2:]]
+    assert claims == [
+        "lrpe_orthogonal@authors better than rope",
+        "lrpe_orthogonal@authors better than lrpe_permutation@authors",
+    ]
+    assert "Type 2 32.02 against RoPE 33.36" in table[2] and "| 3 | +1.833 |" in table[2]  # mean of 2, 1.5, 2
+    both = rows({"lrpe_orthogonal": [1.0, 2.0], "lrpe_orthogonal@authors": [2.0, 3.0], "rope": [3.0, 3.5]}, "perplexity")
+    claims = [line.split(" | ")[0] for line in claims_table(both, presets.TABLE2_CLAIMS)[2:]]
+    assert claims == ["| lrpe_orthogonal better than rope", "| lrpe_orthogonal@authors better than rope"]
 
 
 def test_a_free_comparison_matches_scipys_paired_t_test():

@@ -9,7 +9,9 @@ and seeds, through the run scripts' Trainer pipelines, and tabulate and plot the
 
 Encodings: any registered ``positional_encoding`` (``lrpe_hf.POSITIONAL_ENCODINGS``); ``sinusoidal`` and
 ``learned`` (no relative encoding, that absolute embedding); ``softmax:<name>`` (quadratic softmax attention with
-that encoding; feature maps do not apply). ``none`` is no position at all. Without ``--feature_maps`` each
+that encoding; feature maps do not apply); ``<name>@authors`` (the LRPE types in the model their authors' code
+builds: output LayerNorm instead of the unrotated denominator, token embeddings scaled by sqrt(d), sinusoidal
+absolute positions; ``presets.AUTHORS_SETUPS``). ``none`` is no position at all. Without ``--feature_maps`` each
 encoding gets the feature map its config picks by default (its paper's: relu for permute, exp for fastrpb).
 
 Tasks: ``clm`` (LinearGPT, validation perplexity), ``mlm`` (LinearRoberta masked-LM pretraining, then fine-tuning
@@ -95,7 +97,7 @@ from ..modeling.registry import POSITIONAL_ENCODINGS, positional_encoding_entry
 from . import compare_report
 from .arguments import ModelArguments, build_config
 from .compare_tasks import ABSOLUTE_BASELINES, RUNNERS, as_strings, execute_run, load_result, model_arguments
-from .presets import PRESETS
+from .presets import AUTHORS_SETUP_SUFFIX, AUTHORS_SETUPS, PRESETS, split_setup
 from .provenance import Record
 from .tokenizer import TokenizerArguments, train_tokenizer
 from .verdicts import baseline_comparisons
@@ -292,7 +294,8 @@ def split_names(text: str) -> list[str]:
 def encoding_names() -> list[str]:
     """Every valid ``--encodings`` name."""
     plain = [*POSITIONAL_ENCODINGS, *ABSOLUTE_BASELINES]
-    return plain + [f"softmax:{name}" for name in plain]
+    authors = [name + AUTHORS_SETUP_SUFFIX for name in AUTHORS_SETUPS if name in POSITIONAL_ENCODINGS]
+    return plain + authors + [f"softmax:{name}" for name in plain]
 
 
 def embedded(relative: str) -> str:
@@ -368,7 +371,7 @@ def check(s: dict):
 
 def default_feature_map(encoding: str) -> str:
     """The feature map a config picks for ``encoding`` when none is given (its paper's)."""
-    name = encoding.removeprefix("softmax:")
+    name, _ = split_setup(encoding.removeprefix("softmax:"))
     return positional_encoding_entry("none" if name in ABSOLUTE_BASELINES else name).default_feature_map
 
 
@@ -384,7 +387,7 @@ def plan_runs(s: dict) -> list[dict]:
             else:
                 feature_maps = s["feature_maps"] or [default_feature_map(encoding)]
             for feature_map in feature_maps:
-                parts = [encoding.replace(":", "_")] + ([] if feature_map == "-" else [feature_map])
+                parts = [encoding.replace(":", "_").replace("@", "_")] + ([] if feature_map == "-" else [feature_map])
                 name = "-".join([*parts, f"seed{seed}"])
                 runs.append(
                     dict(

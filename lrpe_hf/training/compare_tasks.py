@@ -33,6 +33,7 @@ from transformers import (
 
 from . import glue, image_classification, language_modeling, synthetic
 from .data import load_files_or_hub, select_samples
+from .presets import AUTHORS_SETUPS, split_setup
 from .provenance import working_tree
 
 ABSOLUTE_BASELINES = ("sinusoidal", "learned")
@@ -59,13 +60,17 @@ def encoding_arguments(encoding: str, feature_map: str) -> list[str]:
 
 def model_arguments(run: dict) -> list[str]:
     s = run["settings"]
-    args = encoding_arguments(run["encoding"], run["feature_map"])
+    encoding, setup = split_setup(run["encoding"])
+    args = encoding_arguments(encoding, run["feature_map"])
     for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"):
         args += [f"--{name}", s[name]]
     if run["task"] != "image":  # learned tables and FastRPB's span cover the longest evaluation length
         args += ["--max_position_embeddings", max([s["block_size"], *s.get("eval_lengths", [])])]
-    if s["config_overrides"]:
-        args += ["--config_overrides", s["config_overrides"]]
+    overrides = json.loads(s["config_overrides"]) if s["config_overrides"] else {}
+    if setup:  # the sweep's --config_overrides win over the authors' setup
+        overrides = {**AUTHORS_SETUPS[encoding](s["hidden_size"]), **overrides}
+    if overrides:
+        args += ["--config_overrides", json.dumps(overrides)]
     return args
 
 

@@ -20,6 +20,43 @@ class Claim:
     paper: str
 
 
+# "<encoding>@authors": the encoding in the model its authors' code builds, where the library's default differs
+# (docs/results.md, "Each encoding's defaults"): the config fields, given the model's hidden size. The LRPE
+# authors normalise the attention output with one LayerNorm over the hidden width, scale token embeddings by
+# sqrt(d) and keep sinusoidal absolute positions; the library's LRPE divides by RoFormer's unrotated denominator.
+AUTHORS_SETUP_SUFFIX = "@authors"
+
+
+def lrpe_authors_setup(hidden_size: int) -> dict:
+    return dict(
+        normalization="output_layer_norm",
+        embedding_multiplier=hidden_size**0.5,
+        absolute_position_embedding="sinusoidal",
+    )
+
+
+AUTHORS_SETUPS = {name: lrpe_authors_setup for name in ("lrpe_unitary", "lrpe_orthogonal", "lrpe_permutation")}
+
+
+def split_setup(encoding: str) -> tuple[str, str]:
+    """``"lrpe_orthogonal@authors"`` -> ``("lrpe_orthogonal", "@authors")``; a plain name -> ``(name, "")``."""
+    name, at, setup = encoding.partition("@")
+    return name, at + setup
+
+
+def with_authors_setups(claims: list[Claim], encodings: set[str]) -> list[Claim]:
+    """The claims, each followed by its forms with one or both encodings in their authors' setup, where those ran
+    (the paper's figures are the authors' setup's)."""
+    expanded = []
+    for claim in claims:
+        for better in (claim.better, claim.better + AUTHORS_SETUP_SUFFIX):
+            for worse in (claim.worse, claim.worse + AUTHORS_SETUP_SUFFIX):
+                plain = (better, worse) == (claim.better, claim.worse)
+                if plain or {better, worse} <= encodings:
+                    expanded.append(Claim(better, worse, claim.metric, claim.paper))
+    return expanded
+
+
 TABLE2_ENCODINGS = [
     "none", "sinusoidal", "learned", "rope", "permute", "spe_sine", "lrpe_unitary", "lrpe_orthogonal",
     "lrpe_permutation", "fastrpb", "softmax:rope",

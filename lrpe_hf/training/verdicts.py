@@ -7,7 +7,9 @@ that d > 0 means the claim's direction (for a lower-is-better metric, the score 
 - the mean paired difference, its 95% confidence interval mean +- t(0.975, n - 1) sd / sqrt(n) (Student's t with
   n - 1 degrees of freedom), and the two-sided p-value of the paired t-test;
 - the verdict: *reproduced* when the interval lies above 0 (the paper's direction holds), *contradicted* when it
-  lies below 0 (the opposite holds), *inconclusive* otherwise, or with fewer than two pairs.
+  lies below 0 (the opposite holds), *inconclusive* otherwise, with fewer than two pairs, or when every pair
+  differs by the same amount (zero variance: the seeds changed nothing that the comparison measures, so they give
+  no interval, and no p-value of 0 is read from them).
 
 Any comparison gets the same rule: every encoding x feature map of a sweep against a baseline encoding (the first
 listed, or ``--baseline``), per metric, paired by seed: the difference (encoding - baseline, in the metric's
@@ -27,7 +29,7 @@ import math
 import statistics
 from dataclasses import dataclass
 
-from .presets import PRESETS, Claim
+from .presets import PRESETS, Claim, with_authors_setups
 
 
 @dataclass(frozen=True)
@@ -88,8 +90,8 @@ def paired_test(differences: list[float]) -> PairedTest:
         return PairedTest(n, mean, math.nan, math.nan, math.nan)
     mean, sd = statistics.fmean(differences), statistics.stdev(differences)
     error = sd / math.sqrt(n)
-    if error == 0:
-        return PairedTest(n, mean, mean, mean, 0.0 if mean else 1.0)
+    if error == 0:  # every pair differs alike: nothing varied between seeds, so they measured no spread
+        return PairedTest(n, mean, math.nan, math.nan, math.nan)
     half_width = student_t_quantile(0.975, n - 1) * error
     p_value = 2 * (1 - student_t_cdf(abs(mean) / error, n - 1))
     return PairedTest(n, mean, mean - half_width, mean + half_width, p_value)
@@ -186,14 +188,15 @@ def comparisons_table(records: list[dict]) -> list[str]:
 
 
 def claims_table(rows: list[dict], claims: list[Claim]) -> list[str]:
-    """Markdown lines: one row per claim whose encodings both ran."""
+    """Markdown lines: one row per claim whose encodings both ran, and again for each form of it whose encodings
+    ran in their authors' setup (``presets.with_authors_setups``)."""
     encodings = {row["encoding"] for row in rows}
     lines = [
         "| claim | metric | paper | pairs | paired difference, the claim's direction positive | 95% interval | p | "
         "verdict |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    for claim in claims:
+    for claim in with_authors_setups(claims, encodings):
         if claim.better not in encodings or claim.worse not in encodings:
             continue
         test = paired_claim(rows, claim)
