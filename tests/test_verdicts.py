@@ -78,7 +78,9 @@ def test_claims_are_tested_again_for_the_encodings_run_in_their_authors_setup():
         "lrpe_orthogonal@authors better than lrpe_permutation@authors",
     ]
     assert "Type 2 32.02 against RoPE 33.36" in table[2] and "| 3 | +1.833 |" in table[2]  # mean of 2, 1.5, 2
-    both = rows({"lrpe_orthogonal": [1.0, 2.0], "lrpe_orthogonal@authors": [2.0, 3.0], "rope": [3.0, 3.5]}, "perplexity")
+    both = rows(
+        {"lrpe_orthogonal": [1.0, 2.0], "lrpe_orthogonal@authors": [2.0, 3.0], "rope": [3.0, 3.5]}, "perplexity"
+    )
     claims = [line.split(" | ")[0] for line in claims_table(both, presets.TABLE2_CLAIMS)[2:]]
     assert claims == ["| lrpe_orthogonal better than rope", "| lrpe_orthogonal@authors better than rope"]
 

@@ -119,6 +119,9 @@ def build_config(model_args: ModelArguments, config_class, **task_fields):
     known = config_class()
     unknown = [name for name in values if not hasattr(known, name)]
     if unknown:  # a config keeps any keyword as an attribute, which no layer would read
-        raise ValueError(f"{config_class.__name__} has no field {', '.join(unknown)}: check --config_overrides and "
-                         f"--config_file; its fields: {', '.join(sorted(known.to_diff_dict() | known.to_dict()))}")  # fmt: skip
+        valid = ", ".join(sorted(known.to_dict()))
+        raise ValueError(
+            f"{config_class.__name__} has no field {', '.join(unknown)}: check --config_overrides and --config_file; "
+            f"its fields: {valid}"
+        )
     return config_class(**values)
