@@ -1102,7 +1102,18 @@ def test_training_projects_queries_keys_and_values_in_one_product_with_the_same_
 
 
 @pytest.mark.parametrize(
-    "encoding", ["lrpe_orthogonal", "lrpe_unitary", "none", "rope", "permute", "fastrpb", "spe_sine", "spe_conv"]
+    "encoding",
+    [
+        "lrpe_orthogonal",
+        "lrpe_unitary",
+        "lrpe_permutation",
+        "none",
+        "rope",
+        "permute",
+        "fastrpb",
+        "spe_sine",
+        "spe_conv",
+    ],
 )
 def test_joined_projections_keep_no_more_memory_for_backward_than_projections_apart(encoding):
     """A train step with q, k and v joined keeps no more bytes for backward than with the projections apart: the

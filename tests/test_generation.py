@@ -266,7 +266,8 @@ def test_default_positions_after_given_ones_start_a_document_where_they_fall_bac
 
 
 @pytest.mark.parametrize(
-    "encoding", ["none", "rope", "lrpe_orthogonal", "lrpe_unitary", "permute", "fastrpb", "spe_sine"]
+    "encoding",
+    ["none", "rope", "lrpe_orthogonal", "lrpe_unitary", "lrpe_permutation", "permute", "fastrpb", "spe_sine"],
 )
 def test_a_compiled_decoding_step_is_one_graph_traced_once_that_decodes_as_eager(encoding):
     """Under torch.compile(fullgraph=True) a decoding step is one graph: it reads no Python token count, takes no

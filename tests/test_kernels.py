@@ -454,7 +454,9 @@ def test_decayed_running_sum_in_blocks_equals_the_step_by_step_recurrence(length
 HOST_READS = ("aten::_local_scalar_dense", "aten::is_nonzero", "aten::item")
 
 
-@pytest.mark.parametrize("encoding", ["none", "rope", "lrpe_orthogonal", "lrpe_unitary", "permute", "spe_sine"])
+@pytest.mark.parametrize(
+    "encoding", ["none", "rope", "lrpe_orthogonal", "lrpe_unitary", "lrpe_permutation", "permute", "spe_sine"]
+)
 def test_a_training_step_on_default_positions_reads_nothing_on_the_host(encoding):
     """On a GPU a read on the host waits for every kernel queued before it. Default positions without padding need
     none: their rows are one row expanded, and a decay by distance is the same at every token of them. (convSPE

@@ -24,6 +24,36 @@ def test_the_readme_has_snippets():
     assert len(re.findall(r"```python\n", (ROOT / "README.md").read_text())) >= 2 and len(SNIPPETS) >= 6
 
 
+def parenthesised(text: str) -> list[str]:
+    """The outermost (...) groups of ``text``, across lines, fenced code left out."""
+    text = re.sub(r"```.*?```", "", text, flags=re.S)
+    groups, depth, start = [], 0, 0
+    for index, character in enumerate(text):
+        if character == "(":
+            depth, start = depth + 1, index if depth == 0 else start
+        elif character == ")" and depth:
+            depth -= 1
+            if depth == 0:
+                groups.append(text[start : index + 1])
+    return groups
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_every_tested_claim_names_its_test(page):
+    """A "(tested ...)" or "(...; tested)" in prose names, inside the same parentheses, the test file that covers it
+    (``tests/test_*.py``, which exists) or the make target that runs it (which the Makefile has)."""
+    targets = re.findall(r"^([\w-]+):", (ROOT / "Makefile").read_text(), flags=re.M)
+    unnamed = []
+    for group in parenthesised(page.read_text()):
+        if not re.search(r"(\(|; )tested\b", group):
+            continue
+        files = [name for name in re.findall(r"tests/(test_\w+\.py)", group) if (ROOT / "tests" / name).exists()]
+        makes = [name for name in re.findall(r"`make ([\w-]+)`", group) if name in targets]
+        if not (files or makes):
+            unnamed.append(" ".join(group.split()))
+    assert not unnamed, f"{page.name}: tested, but by what? {unnamed}"
+
+
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
 def test_every_relative_link_leads_to_a_file(page):
     """[text](target): a target that is no URL and no anchor of the same page names a file or folder of the checkout,
