@@ -15,7 +15,8 @@ Each encoding's time over GPT-2's in the same round is one paired sample. Over t
 the ratios with its 95% interval (Student's t over the log ratios, ``lrpe_hf.training.verdicts.paired_test``) and
 the verdict *faster* (the interval lies below 1), *slower* (above 1) or *inconclusive*.
 
-Writes ``decode_latency.csv`` and its record ``decode_latency.json`` to ``--out`` and prints the table.
+Writes ``decode_latency.csv``, every round's time per model in ``decode_latency_rounds.csv`` and their record
+``decode_latency.json`` to ``--out``, and prints the table.
 
     OMP_NUM_THREADS=1 python benchmarks/decode_latency.py --out docs/data/benchmarks/decode_latency
 """
@@ -116,7 +117,10 @@ def main():
         parser.error(f"--rounds must be at least 2 for an interval, got {args.rounds}")
     times = measure(args.encodings, args.context, args.new_tokens, args.rounds)
     rows = rows_of(times, args.context, args.new_tokens)
-    write_table(args.out, "decode_latency", FIELDS, rows)
+    rounds = [
+        dict(round=i, model=name, ms_per_token=ms) for name, samples in times.items() for i, ms in enumerate(samples)
+    ]
+    write_table(args.out, "decode_latency", FIELDS, rows, rounds)
 
 
 if __name__ == "__main__":

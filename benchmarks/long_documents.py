@@ -25,10 +25,12 @@ folds shuffled by the seed). Methods:
 - ``student <encoding>, first 512``: the same student given the teacher's first 510 tokens (what reading on adds);
 - ``random <encoding>``: the student's architecture with random weights, whole document (what pretraining adds).
 
-Accuracy per length bucket and over 1k-4k, the students against every teacher method and their own first 512 tokens,
-paired by seed (the project's verdict rule: ``lrpe_hf.training.verdicts``), the short-text check (tweet sentiment, the
-same probe, teacher against student) and the time and peak memory of one document per length go to
-``--output_dir``: ``results.csv`` (per seed), ``summary.csv`` (means over seeds), ``comparisons.csv``,
+Accuracy per length bucket and over 1k-4k; each validation document's predicted label per method and seed; the
+students against every teacher method and their own first 512 tokens, paired by seed and by document over 1k-4k
+(``lrpe_hf.training.verdicts.paired_bootstrap``: seeds and documents resampled together, so the interval covers
+which documents were drawn as well as the seeds); the short-text check (tweet sentiment, the same probe, teacher
+against student) and the time and peak memory of one document per length go to ``--output_dir``: ``results.csv``
+(per seed), ``summary.csv`` (means over seeds), ``predictions.csv`` (per document), ``comparisons.csv``,
 ``short_text.csv``, ``costs.csv``, ``results.md`` and ``record.json``.
 
     python benchmarks/long_documents.py --output_dir out/long_documents --encodings lrpe_orthogonal,rope,permute \
@@ -57,7 +59,7 @@ from transformers import AutoModel, AutoTokenizer, set_seed
 import lrpe_hf
 from lrpe_hf.training import distillation
 from lrpe_hf.training.tables import markdown
-from lrpe_hf.training.verdicts import paired_test
+from lrpe_hf.training.verdicts import paired_bootstrap
 
 ROOT = Path(__file__).resolve().parents[1]
 LEADS = ROOT / "data" / "wikipedia_leads"
@@ -127,9 +129,9 @@ def embedded(path: Path, compute) -> dict:
     return result
 
 
-def probe_accuracy(train_x, train_y, test_x, test_y, seed: int) -> np.ndarray:
-    """Whether each test document is classified right (bool per document) by the probe fitted on the training
-    documents: standardised features, multinomial logistic regression, L2 strength by 4-fold cross-validation."""
+def probe_predictions(train_x, train_y, test_x, seed: int) -> np.ndarray:
+    """The label of each test document by the probe fitted on the training documents: standardised features,
+    multinomial logistic regression, L2 strength by 4-fold cross-validation."""
     smallest_class = min(collections.Counter(train_y).values())
     splitter = StratifiedKFold if smallest_class >= 4 else KFold  # tiny sets (tests): plain folds
     folds = splitter(n_splits=4, shuffle=True, random_state=seed)
@@ -137,7 +139,7 @@ def probe_accuracy(train_x, train_y, test_x, test_y, seed: int) -> np.ndarray:
         StandardScaler(), LogisticRegressionCV(Cs=[1e-3, 1e-2, 1e-1, 1.0], cv=folds, scoring="accuracy", max_iter=2000)
     )
     probe.fit(train_x, train_y)
-    return probe.predict(test_x) == np.asarray(test_y)
+    return probe.predict(test_x)
 
 
 def make_student(teacher, tokenizer, encoding: str, seed: int, args, folder: Path):
@@ -179,7 +181,7 @@ def tweet_vectors(model, tokenizer, train_rows: int) -> dict:
 def short_text_accuracy(tweets: dict, seed: int) -> float:
     """The probe's accuracy on the validation tweets."""
     (train_x, train_y), (test_x, test_y) = tweets["train"], tweets["validation"]
-    return float(probe_accuracy(train_x.numpy(), train_y, test_x.numpy(), test_y, seed).mean())
+    return float((probe_predictions(train_x.numpy(), train_y, test_x.numpy(), seed) == np.asarray(test_y)).mean())
 
 
 def document_cost(model_folder: str, tokenizer_folder: str, method: str, length: int) -> dict:
@@ -302,6 +304,7 @@ def main():
     if args.students_only:
         return
 
+    predictions, right = [], {}  # right: (task, method, seed) -> whether each validation document is classified right
     for task in TASKS:
         labels = {split: [d["label"] for d in data[task, split]] for split in ("train", "validation")}
         lengths = np.array([d["length"] for d in data[task, "validation"]])
@@ -310,25 +313,31 @@ def main():
         methods += [(key[0], key[3], vectors[key], vectors[key[0], task, "validation", key[3]])
                     for key in list(vectors) if len(key) == 4 and key[1:3] == (task, "train")]  # fmt: skip
         for method, seed, train_x, test_x in methods:
-            right = probe_accuracy(train_x, labels["train"], test_x, labels["validation"], seed)
+            predicted = probe_predictions(train_x, labels["train"], test_x, seed)
+            correct = right[task, method, seed] = predicted == np.asarray(labels["validation"])
+            for index, (length, label, guess) in enumerate(zip(lengths, labels["validation"], predicted)):
+                predictions.append(dict(task=task, method=method, seed=seed, document=index, length=int(length),
+                                        label=label, predicted=guess, correct=int(guess == label)))  # fmt: skip
             measured = np.isin(lengths, MEASURED_BUCKETS)
-            row = dict(task=task, method=method, seed=seed, accuracy=float(right[measured].mean()))
-            row |= {f"accuracy_{length}": float(right[lengths == length].mean()) for length in sorted(set(lengths))}
+            row = dict(task=task, method=method, seed=seed, accuracy=float(correct[measured].mean()))
+            row |= {f"accuracy_{n}": float(correct[lengths == n].mean()) for n in sorted(set(lengths))}
             rows.append(row)
 
     comparisons = []
     for task in TASKS:
+        measured = np.isin([d["length"] for d in data[task, "validation"]], MEASURED_BUCKETS)
         for encoding in args.encodings.split(","):
-            student = {
-                r["seed"]: r["accuracy"] for r in rows if r["task"] == task and r["method"] == f"student {encoding}"
-            }
+            student_seeds = [
+                seed for key_task, method, seed in right if (key_task, method) == (task, f"student {encoding}")
+            ]
             for method in (*TEACHER_METHODS, f"student {encoding}, first 512"):
-                other = {r["seed"]: r["accuracy"] for r in rows if r["task"] == task and r["method"] == method}
-                test = paired_test([student[s] - other[s] for s in sorted(student)])
+                differences = [right[task, f"student {encoding}", s][measured].astype(float)
+                               - right[task, method, s][measured] for s in student_seeds]  # fmt: skip
+                test = paired_bootstrap(np.stack(differences))
                 verdict = {"reproduced": "better", "contradicted": "worse"}.get(test.verdict, "inconclusive")
                 comparisons.append(
-                    dict(task=task, student=encoding, against=method, seeds=test.pairs, difference=test.mean,
-                         low=test.low, high=test.high, p_value=test.p_value, verdict=verdict)
+                    dict(task=task, student=encoding, against=method, seeds=test.pairs, documents=int(measured.sum()),
+                         difference=test.mean, low=test.low, high=test.high, p_value=test.p_value, verdict=verdict)
                 )  # fmt: skip
 
     student_folder = out / "students" / f"{runs[0][0]}-seed{runs[0][1]}"
@@ -338,6 +347,7 @@ def main():
     means = method_means(rows)
     write_csv(out / "summary.csv", means)
     write_csv(out / "comparisons.csv", comparisons)
+    write_csv(out / "predictions.csv", predictions)
     write_csv(out / "short_text.csv", short_text)
     write_csv(out / "costs.csv", cost_rows)
     (out / "losses.json").write_text(json.dumps({f"{e}-seed{s}": v for (e, s), v in losses.items()}, indent=2))
@@ -380,7 +390,7 @@ def summary(means, comparisons, short_text, costs) -> list[str]:
          f"[{100 * c['low']:+.1f}, {100 * c['high']:+.1f}]", f"{c['p_value']:.3f}", c["verdict"]]
         for c in comparisons
     ]  # fmt: skip
-    lines += ["### Students against the teacher's workarounds, 1k-4k, paired by seed (points)", ""]
+    lines += ["### Students against the teacher's workarounds, 1k-4k, paired over seeds and documents (points)", ""]
     lines += markdown(["task", "student", "against", "seeds", "difference", "95% interval", "p", "verdict"], body)
     body = [[r["encoding"], str(r["seed"]), f"{100 * r['teacher']:.1f}", f"{100 * r['student']:.1f}",
              f"{100 * r['student'] / r['teacher']:.1f}"] for r in short_text]  # fmt: skip

@@ -67,14 +67,19 @@ def time_ratio(samples, reference) -> dict:
     )  # fmt: skip
 
 
-def write_table(out: Path, name: str, fields: list[str], rows: list[dict]):
-    """``NAME.csv`` and its record ``NAME.json`` in ``out``, and the table printed in markdown."""
+def write_table(out: Path, name: str, fields: list[str], rows: list[dict], rounds: list[dict] | None = None):
+    """``NAME.csv`` and its record ``NAME.json`` in ``out``, and the table printed in markdown; with ``rounds`` (one
+    dict per timed sample behind the table's figures) also ``NAME_rounds.csv``, which the record covers too."""
     out.mkdir(parents=True, exist_ok=True)
-    with open(out / f"{name}.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=fields)
-        writer.writeheader()
-        writer.writerows(rows)
-    write_provenance(out / f"{name}.json", "cpu", files=[f"{name}.csv"])
+    tables = {f"{name}.csv": (fields, rows)}
+    if rounds:
+        tables[f"{name}_rounds.csv"] = (list(rounds[0]), rounds)
+    for file, (columns, table) in tables.items():
+        with open(out / file, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=columns)
+            writer.writeheader()
+            writer.writerows(table)
+    write_provenance(out / f"{name}.json", "cpu", files=list(tables))
     print("| " + " | ".join(fields) + " |")
     for row in rows:
         print("| " + " | ".join(str(row[field]) for field in fields) + " |")

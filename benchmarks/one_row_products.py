@@ -8,7 +8,8 @@ in every round, each round with weights made afresh. Each round's column-major t
 paired sample: the geometric mean with its 95% interval (``lrpe_hf.training.verdicts.paired_test``) and the verdict
 *faster* / *slower* / *inconclusive* for column-major.
 
-Writes ``one_row_products.csv`` and its record ``one_row_products.json`` to ``--out`` and prints the table.
+Writes ``one_row_products.csv``, each round's pair in ``one_row_products_rounds.csv`` and their record
+``one_row_products.json`` to ``--out``, and prints the table.
 
     OMP_NUM_THREADS=1 python benchmarks/one_row_products.py --threads 1 --out docs/data/benchmarks/one_row_products
 """
@@ -50,8 +51,9 @@ def products(weights, inputs):
     return run
 
 
-def measure(dtype_name: str, rows: int, rounds: int, repeats: int) -> dict:
-    """Both layouts' milliseconds per pass over the stack, ``rounds`` paired samples (after one warm-up round). Each
+def measure(dtype_name: str, rows: int, rounds: int, repeats: int) -> tuple[dict, list[dict]]:
+    """Both layouts' milliseconds per pass over the stack, ``rounds`` paired samples (after one warm-up round): the
+    table's row, and each round's pair. Each
     round makes both stacks afresh, so that where the allocator happens to put a weight varies from round to round
     as it does from process to process: a one-row product's time depends on it (runs that kept one allocation
     disagreed with each other beyond their own intervals)."""
@@ -72,11 +74,14 @@ def measure(dtype_name: str, rows: int, rounds: int, repeats: int) -> dict:
         if round_index:
             row_major.append(times[0])
             column_major.append(times[1])
-    return dict(
+    row = dict(
         dtype=dtype_name, rows=rows, rounds=rounds,
         row_major_ms=round(statistics.median(row_major), 4), column_major_ms=round(statistics.median(column_major), 4),
         **time_ratio(column_major, row_major),
     )  # fmt: skip
+    pairs = [dict(dtype=dtype_name, rows=rows, round=i, row_major_ms=r, column_major_ms=c)
+             for i, (r, c) in enumerate(zip(row_major, column_major))]  # fmt: skip
+    return row, pairs
 
 
 def main():
@@ -95,8 +100,9 @@ def main():
     if args.rounds < 2:
         parser.error(f"--rounds must be at least 2 for an interval, got {args.rounds}")
     torch.manual_seed(0)
-    rows = [measure(dtype, n, args.rounds, args.repeats) for dtype in args.dtypes for n in args.rows]
-    write_table(args.out, "one_row_products", FIELDS, rows)
+    measured = [measure(dtype, n, args.rounds, args.repeats) for dtype in args.dtypes for n in args.rows]
+    rows = [row for row, _ in measured]
+    write_table(args.out, "one_row_products", FIELDS, rows, [pair for _, pairs in measured for pair in pairs])
 
 
 if __name__ == "__main__":

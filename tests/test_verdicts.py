@@ -3,15 +3,18 @@
 import math
 import statistics
 
+import numpy as np
 import pytest
 
 from lrpe_hf.training import presets
+from lrpe_hf.training.tables import paired_cell
 from lrpe_hf.training.verdicts import (
     ONE_PAIR,
     Claim,
     baseline_comparisons,
     claims_table,
     comparisons_table,
+    paired_bootstrap,
     paired_claim,
     paired_test,
     student_t_cdf,
@@ -58,6 +61,7 @@ def test_verdicts_follow_the_sign_of_the_interval_and_the_metrics_direction():
     same_gap = rows({"a": [0.6, 0.6, 0.6], "b": [0.5, 0.5, 0.5]}, "accuracy")  # seeds that changed nothing
     test = paired_claim(same_gap, Claim("a", "b", "accuracy", ""))
     assert test.verdict == "inconclusive" and math.isnan(test.low) and math.isnan(test.p_value)
+    assert paired_cell({"0": 0.6, "1": 0.7}, {"0": 0.5, "1": 0.6}) == "+0.1 (the same on every seed: no interval)"
 
 
 def test_the_presets_claims_name_their_encodings_and_the_table_skips_what_did_not_run():
@@ -131,3 +135,26 @@ def test_a_free_comparison_pairs_each_feature_map_with_the_baselines_own():
         "elu", -2.25)}  # fmt: skip
     with pytest.raises(ValueError, match="baseline 'learned' has no runs"):
         baseline_comparisons(grid, "learned", ["perplexity"])
+
+
+def test_the_bootstrap_over_documents_matches_the_normal_interval_and_widens_with_the_seeds_spread():
+    """One method minus another on 400 documents: with seeds that agree, the bootstrap's interval is the normal
+    theory's mean +- 1.96 sd / sqrt(n) over the documents (within 10%); seeds that disagree widen it; a constant
+    difference gives none, and the sign mirrors."""
+    rng = np.random.default_rng(0)
+    per_document = rng.normal(0.05, 0.4, 400)
+    alike = np.stack([per_document] * 3)  # every seed the same: only the documents vary
+    test = paired_bootstrap(alike, replicates=20_000)
+    half_width = 1.96 * per_document.std(ddof=1) / math.sqrt(400)
+    assert test.mean == pytest.approx(per_document.mean())
+    assert (test.high - test.low) / 2 == pytest.approx(half_width, rel=0.1)
+    assert test.low == pytest.approx(per_document.mean() - half_width, abs=0.15 * half_width)
+    spread = alike + np.array([[-0.1], [0.0], [0.1]])  # the seeds disagree by 0.1 a step
+    assert paired_bootstrap(spread).high - paired_bootstrap(spread).low > 2 * (test.high - test.low)
+    mirrored = paired_bootstrap(-alike, replicates=20_000)
+    assert (mirrored.low, mirrored.high) == pytest.approx((-test.high, -test.low), abs=0.05 * half_width)
+    constant = paired_bootstrap(np.full((3, 60), 1 / 60))  # 1 document in 60, on every seed
+    assert constant.verdict == "inconclusive" and math.isnan(constant.low)
+    assert paired_bootstrap(alike[:1]).verdict == "inconclusive"  # one seed: no interval
+    clear = paired_bootstrap(rng.normal(0.3, 0.1, (3, 200)))
+    assert clear.verdict == "reproduced" and clear.p_value == pytest.approx(2e-4)  # none of 10,000 on the other side

@@ -42,6 +42,8 @@ def paired_cell(values: dict[str, float], baseline: dict[str, float]) -> str:
     test = paired_test([values[s] - baseline[s] for s in values if s in baseline])
     if test.pairs < 2:
         return "-" if test.pairs == 0 else f"{test.mean:+.4g} (one seed)"
+    if math.isnan(test.low):
+        return f"{test.mean:+.4g} (the same on every seed: no interval)"
     return f"{test.mean:+.4g} [{test.low:+.3g}, {test.high:+.3g}]"
 
 
