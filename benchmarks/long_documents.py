@@ -27,8 +27,8 @@ folds shuffled by the seed). Methods:
 
 Accuracy per length bucket and over 1k-4k; each validation document's predicted label per method and seed; the
 students against every teacher method and their own first 512 tokens, paired by seed and by document over 1k-4k
-(``lrpe_hf.training.verdicts.paired_bootstrap``: seeds and documents resampled together, so the interval covers
-which documents were drawn as well as the seeds); the short-text check (tweet sentiment, the same probe, teacher
+(``lrpe_hf.training.verdicts.paired_over_seeds_and_items``: the interval covers which documents were drawn as
+well as the seeds); the short-text check (tweet sentiment, the same probe, teacher
 against student) and the time and peak memory of one document per length go to ``--output_dir``: ``results.csv``
 (per seed), ``summary.csv`` (means over seeds), ``predictions.csv`` (per document), ``comparisons.csv``,
 ``short_text.csv``, ``costs.csv``, ``results.md`` and ``record.json``.
@@ -59,7 +59,7 @@ from transformers import AutoModel, AutoTokenizer, set_seed
 import lrpe_hf
 from lrpe_hf.training import distillation
 from lrpe_hf.training.tables import markdown
-from lrpe_hf.training.verdicts import paired_bootstrap
+from lrpe_hf.training.verdicts import paired_over_seeds_and_items
 
 ROOT = Path(__file__).resolve().parents[1]
 LEADS = ROOT / "data" / "wikipedia_leads"
@@ -304,12 +304,13 @@ def main():
     if args.students_only:
         return
 
+    probe_seeds = sorted({seed for _, seed in runs})  # the teacher's vectors are probed with every student's seeds
     predictions, right = [], {}  # right: (task, method, seed) -> whether each validation document is classified right
     for task in TASKS:
         labels = {split: [d["label"] for d in data[task, split]] for split in ("train", "validation")}
         lengths = np.array([d["length"] for d in data[task, "validation"]])
         methods = [(m, seed, vectors[m, task, "train"], vectors[m, task, "validation"]) for m in TEACHER_METHODS
-                   for seed in seeds]  # fmt: skip
+                   for seed in probe_seeds]  # fmt: skip
         methods += [(key[0], key[3], vectors[key], vectors[key[0], task, "validation", key[3]])
                     for key in list(vectors) if len(key) == 4 and key[1:3] == (task, "train")]  # fmt: skip
         for method, seed, train_x, test_x in methods:
@@ -333,7 +334,7 @@ def main():
             for method in (*TEACHER_METHODS, f"student {encoding}, first 512"):
                 differences = [right[task, f"student {encoding}", s][measured].astype(float)
                                - right[task, method, s][measured] for s in student_seeds]  # fmt: skip
-                test = paired_bootstrap(np.stack(differences))
+                test = paired_over_seeds_and_items(np.stack(differences))
                 verdict = {"reproduced": "better", "contradicted": "worse"}.get(test.verdict, "inconclusive")
                 comparisons.append(
                     dict(task=task, student=encoding, against=method, seeds=test.pairs, documents=int(measured.sum()),

@@ -53,10 +53,9 @@ def products(weights, inputs):
 
 def measure(dtype_name: str, rows: int, rounds: int, repeats: int) -> tuple[dict, list[dict]]:
     """Both layouts' milliseconds per pass over the stack, ``rounds`` paired samples (after one warm-up round): the
-    table's row, and each round's pair. Each
-    round makes both stacks afresh, so that where the allocator happens to put a weight varies from round to round
-    as it does from process to process: a one-row product's time depends on it (runs that kept one allocation
-    disagreed with each other beyond their own intervals)."""
+    table's row, and each round's pair. Each round makes both stacks afresh, so that where the allocator happens to
+    put a weight varies from round to round as it does from process to process: a one-row product's time depends on
+    it (runs that kept one allocation disagreed with each other beyond their own intervals)."""
     dtype = DTYPES[dtype_name]
     hidden, ffn, layers = SIZE["hidden"], SIZE["ffn"], SIZE["layers"]
     inputs = {n: torch.randn(rows, n, dtype=dtype) for n in (hidden, ffn)}

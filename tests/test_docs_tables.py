@@ -158,14 +158,19 @@ def test_encodings_table_pairs_each_feature_map_with_the_baselines_runs_of_that_
     rows += rows_of("rope", [7.0, 9.0], feature_map="exp")
     lines = [line.split(" | ") for line in tables.encodings_table(rows, "perplexity", "none")[2:]]
     differences = {cells[1]: cells[3] for cells in lines if cells[0] == "| rope"}
-    assert differences["elu"].startswith("-1 [")  # 9 - 10, 11 - 12: no spread, a zero-width interval
+    assert differences["elu"] == "-1 (no interval: the same on every seed)"  # 9 - 10, 11 - 12: no spread
     assert differences["relu"].startswith("-2.5 [")  # 18 - 20, 27 - 30
-    assert differences["exp"].startswith("-3 [")  # against none with elu, its first map
+    assert (
+        differences["exp"] == "-3 (no interval: the same on every seed)"
+    )  # 7 - 10, 9 - 12: none with elu, its first map
 
 
 def test_encodings_table_pairs_only_the_seeds_both_ran():
     rows = rows_of("none", [10.0, 12.0]) + rows_of("rope", [9.0, 11.0, 50.0])
-    assert tables.encodings_table(rows, "perplexity", "none")[3].split(" | ")[3].startswith("-1 [")
+    assert (
+        tables.encodings_table(rows, "perplexity", "none")[3].split(" | ")[3]
+        == "-1 (no interval: the same on every seed)"
+    )
 
 
 def test_lengths_table_change_is_the_mean_of_each_runs_change():

@@ -25,17 +25,26 @@ def test_the_readme_has_snippets():
 
 
 def parenthesised(text: str) -> list[str]:
-    """The outermost (...) groups of ``text``, across lines, fenced code left out."""
+    """The outermost (...) groups of ``text``, across the lines of a paragraph (fenced code left out; each table row
+    apart), so that a "(" never closed (a table cell's) hides nothing beyond its paragraph or row."""
     text = re.sub(r"```.*?```", "", text, flags=re.S)
-    groups, depth, start = [], 0, 0
-    for index, character in enumerate(text):
-        if character == "(":
-            depth, start = depth + 1, index if depth == 0 else start
-        elif character == ")" and depth:
-            depth -= 1
-            if depth == 0:
-                groups.append(text[start : index + 1])
+    units = [unit for paragraph in re.split(r"\n\s*\n", text) for unit in re.split(r"\n(?=\|)", paragraph)]
+    groups = []
+    for unit in units:
+        depth, start = 0, 0
+        for index, character in enumerate(unit):
+            if character == "(":
+                depth, start = depth + 1, index if depth == 0 else start
+            elif character == ")" and depth:
+                depth -= 1
+                if depth == 0:
+                    groups.append(unit[start : index + 1])
     return groups
+
+
+def test_parenthesised_groups_stop_at_their_paragraph():
+    text = "a (tested) b (x (y)) c\n| cell (cut off |\n| (next row) |\n\nnew (paragraph\nacross lines)"
+    assert parenthesised(text) == ["(tested)", "(x (y))", "(next row)", "(paragraph\nacross lines)"]
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)

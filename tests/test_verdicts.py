@@ -14,8 +14,8 @@ from lrpe_hf.training.verdicts import (
     baseline_comparisons,
     claims_table,
     comparisons_table,
-    paired_bootstrap,
     paired_claim,
+    paired_over_seeds_and_items,
     paired_test,
     student_t_cdf,
     student_t_quantile,
@@ -61,7 +61,9 @@ def test_verdicts_follow_the_sign_of_the_interval_and_the_metrics_direction():
     same_gap = rows({"a": [0.6, 0.6, 0.6], "b": [0.5, 0.5, 0.5]}, "accuracy")  # seeds that changed nothing
     test = paired_claim(same_gap, Claim("a", "b", "accuracy", ""))
     assert test.verdict == "inconclusive" and math.isnan(test.low) and math.isnan(test.p_value)
-    assert paired_cell({"0": 0.6, "1": 0.7}, {"0": 0.5, "1": 0.6}) == "+0.1 (the same on every seed: no interval)"
+    assert paired_cell({"0": 0.6, "1": 0.7}, {"0": 0.5, "1": 0.6}) == "+0.1 (no interval: the same on every seed)"
+    (line,) = claims_table(same_gap, [Claim("a", "b", "accuracy", "")])[2:]
+    assert "| no interval: the same on every seed | - | inconclusive |" in line
 
 
 def test_the_presets_claims_name_their_encodings_and_the_table_skips_what_did_not_run():
@@ -87,6 +89,8 @@ def test_claims_are_tested_again_for_the_encodings_run_in_their_authors_setup():
     )
     claims = [line.split(" | ")[0] for line in claims_table(both, presets.TABLE2_CLAIMS)[2:]]
     assert claims == ["| lrpe_orthogonal better than rope", "| lrpe_orthogonal@authors better than rope"]
+    mixed = rows({"lrpe_orthogonal": [1.0, 2.0], "lrpe_permutation@authors": [2.0, 3.0]}, "perplexity")
+    assert len(claims_table(mixed, presets.TABLE2_CLAIMS)) == 2  # two setups are not compared
 
 
 def test_a_free_comparison_matches_scipys_paired_t_test():
@@ -137,24 +141,44 @@ def test_a_free_comparison_pairs_each_feature_map_with_the_baselines_own():
         baseline_comparisons(grid, "learned", ["perplexity"])
 
 
-def test_the_bootstrap_over_documents_matches_the_normal_interval_and_widens_with_the_seeds_spread():
-    """One method minus another on 400 documents: with seeds that agree, the bootstrap's interval is the normal
-    theory's mean +- 1.96 sd / sqrt(n) over the documents (within 10%); seeds that disagree widen it; a constant
-    difference gives none, and the sign mirrors."""
+def test_seeds_and_documents_together_reduce_to_the_paired_t_test_of_either_alone_and_cover_both():
+    """The two-way interval: with seeds that agree it is the paired t-interval over the documents, with documents
+    that agree within each seed it is the one over the seeds' means; where both vary, 95% intervals cover the true
+    difference about 95% of the time (simulated), where the interval of one source alone covers far less."""
     rng = np.random.default_rng(0)
     per_document = rng.normal(0.05, 0.4, 400)
-    alike = np.stack([per_document] * 3)  # every seed the same: only the documents vary
-    test = paired_bootstrap(alike, replicates=20_000)
-    half_width = 1.96 * per_document.std(ddof=1) / math.sqrt(400)
-    assert test.mean == pytest.approx(per_document.mean())
-    assert (test.high - test.low) / 2 == pytest.approx(half_width, rel=0.1)
-    assert test.low == pytest.approx(per_document.mean() - half_width, abs=0.15 * half_width)
-    spread = alike + np.array([[-0.1], [0.0], [0.1]])  # the seeds disagree by 0.1 a step
-    assert paired_bootstrap(spread).high - paired_bootstrap(spread).low > 2 * (test.high - test.low)
-    mirrored = paired_bootstrap(-alike, replicates=20_000)
-    assert (mirrored.low, mirrored.high) == pytest.approx((-test.high, -test.low), abs=0.05 * half_width)
-    constant = paired_bootstrap(np.full((3, 60), 1 / 60))  # 1 document in 60, on every seed
+    over_documents = paired_test(list(per_document))
+    alike = paired_over_seeds_and_items(np.stack([per_document] * 3))
+    assert (alike.mean, alike.low, alike.high) == pytest.approx(
+        (over_documents.mean, over_documents.low, over_documents.high)
+    )
+    assert (alike.p_value < 0.05) == (over_documents.p_value < 0.05) == (alike.verdict != "inconclusive")
+    per_seed = [0.02, 0.10, 0.06]
+    only_seeds = paired_over_seeds_and_items(np.repeat(np.array(per_seed)[:, None], 60, axis=1))
+    over_seeds = paired_test(per_seed)
+    assert (only_seeds.low, only_seeds.high) == pytest.approx((over_seeds.low, over_seeds.high))
+    # 3 seeds x 60 documents, truth 0: seed sd, document sd, the rest; which single-source interval falls short
+    for seed_sd, document_sd, alone in ((0.1, 0.05, "documents"), (0.005, 0.3, "seeds")):
+        covered = {"both": 0, "seeds": 0, "documents": 0}
+        for _ in range(400):
+            d = rng.normal(0, seed_sd, (3, 1)) + rng.normal(0, document_sd, (1, 60)) + rng.normal(0, 0.05, (3, 60))
+            tests = dict(both=paired_over_seeds_and_items(d), seeds=paired_test(list(d.mean(1))))
+            tests["documents"] = paired_test(list(d.mean(0)))
+            for name, test in tests.items():
+                covered[name] += test.low <= 0 <= test.high
+        # 95% of 400 give or take two binomial standard deviations (4.4): at least 371
+        assert covered["both"] >= 371 and covered[alone] < 0.9 * 400, covered
+    constant = paired_over_seeds_and_items(np.full((3, 60), 1 / 60))  # 1 document in 60, on every seed
     assert constant.verdict == "inconclusive" and math.isnan(constant.low)
-    assert paired_bootstrap(alike[:1]).verdict == "inconclusive"  # one seed: no interval
-    clear = paired_bootstrap(rng.normal(0.3, 0.1, (3, 200)))
-    assert clear.verdict == "reproduced" and clear.p_value == pytest.approx(2e-4)  # none of 10,000 on the other side
+    assert paired_over_seeds_and_items(np.stack([per_document])).verdict == "inconclusive"  # one seed: no interval
+    clear = paired_over_seeds_and_items(rng.normal(0.3, 0.1, (3, 200)))
+    assert clear.verdict == "reproduced" and 0 <= clear.p_value < 1e-3
+
+
+def test_a_spread_within_rounding_is_no_spread_and_far_tails_keep_p_in_range():
+    rounded = paired_test([58 / 60 - 56 / 60, 28 / 60 - 26 / 60, 4 / 60 - 2 / 60])  # 2 documents in 60, each seed
+    assert rounded.verdict == "inconclusive" and math.isnan(rounded.p_value)
+    for t in (6000.0, 2e4, 1e8):  # df 2: P(T <= t) = 1/2 + t / (2 sqrt(2 + t^2))
+        assert student_t_cdf(t, 2) == pytest.approx(0.5 + t / (2 * math.sqrt(2 + t * t)), abs=1e-10)
+    tight = paired_test([1.0, 1.0 + 1e-6, 1.0 - 1e-6])
+    assert tight.verdict == "reproduced" and 0 <= tight.p_value < 1e-5

@@ -121,7 +121,7 @@ def build_config(model_args: ModelArguments, config_class, **task_fields):
     if unknown:  # a config keeps any keyword as an attribute, which no layer would read
         valid = ", ".join(sorted(known.to_dict()))
         raise ValueError(
-            f"{config_class.__name__} has no field {', '.join(unknown)}: check --config_overrides and --config_file; "
-            f"its fields: {valid}"
+            f"{config_class.__name__} has no field {', '.join(unknown)} (from --config_overrides, --config_file or the "
+            f"task's fields); its fields: {valid}"
         )
     return config_class(**values)

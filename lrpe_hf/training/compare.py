@@ -235,7 +235,10 @@ class CompareArguments:
     )
     task: str | None = field(default=None, metadata=help_for(f"one of {', '.join(TASKS)}"))
     encodings: str | None = field(
-        default=None, metadata=help_for("comma-separated: registered names, sinusoidal, learned, softmax:<name>")
+        default=None,
+        metadata=help_for(
+            "comma-separated: registered names, sinusoidal, learned, softmax:<name>, <lrpe type>@authors"
+        ),
     )
     feature_maps: str | None = field(
         default=None, metadata=help_for("comma-separated (default: each encoding's own, as its config picks)")
@@ -294,7 +297,7 @@ def split_names(text: str) -> list[str]:
 def encoding_names() -> list[str]:
     """Every valid ``--encodings`` name."""
     plain = [*POSITIONAL_ENCODINGS, *ABSOLUTE_BASELINES]
-    authors = [name + AUTHORS_SETUP_SUFFIX for name in AUTHORS_SETUPS if name in POSITIONAL_ENCODINGS]
+    authors = [name + AUTHORS_SETUP_SUFFIX for name in AUTHORS_SETUPS]
     return plain + authors + [f"softmax:{name}" for name in plain]
 
 

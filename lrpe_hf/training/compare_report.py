@@ -92,6 +92,9 @@ def comparison_lines(records: list[dict], baseline: str) -> list[str]:
     lines += comparisons_table(records)
     if any(r["pairs"] < 2 for r in records):
         lines += ["", "One seed gives no interval (run --seeds 2 or more), so those verdicts stay inconclusive."]
+    if any(r["pairs"] >= 2 and math.isnan(r["low"]) for r in records):
+        lines += ["", "A difference that is the same on every seed gives no interval (the seeds changed nothing it "
+                  "measures), so it stays inconclusive."]  # fmt: skip
     return lines
 
 

@@ -45,15 +45,14 @@ def split_setup(encoding: str) -> tuple[str, str]:
 
 
 def with_authors_setups(claims: list[Claim], encodings: set[str]) -> list[Claim]:
-    """The claims, each followed by its forms with one or both encodings in their authors' setup, where those ran
-    (the paper's figures are the authors' setup's)."""
+    """The claims, each followed by its form with every encoding that has an authors' setup in it, where those ran
+    (the paper's figures are the authors' setup's; two LRPE types are compared in the same setup)."""
     expanded = []
     for claim in claims:
-        for better in (claim.better, claim.better + AUTHORS_SETUP_SUFFIX):
-            for worse in (claim.worse, claim.worse + AUTHORS_SETUP_SUFFIX):
-                plain = (better, worse) == (claim.better, claim.worse)
-                if plain or {better, worse} <= encodings:
-                    expanded.append(Claim(better, worse, claim.metric, claim.paper))
+        expanded.append(claim)
+        better, worse = (n + AUTHORS_SETUP_SUFFIX if n in AUTHORS_SETUPS else n for n in (claim.better, claim.worse))
+        if (better, worse) != (claim.better, claim.worse) and {better, worse} <= encodings:
+            expanded.append(Claim(better, worse, claim.metric, claim.paper))
     return expanded
 
 

@@ -9,7 +9,7 @@ import math
 import statistics
 
 from .compare_report import cell
-from .verdicts import lower_is_better, paired_test, versus_baseline
+from .verdicts import NO_SPREAD, lower_is_better, paired_test, versus_baseline
 
 ROW_KEYS = ("encoding", "feature_map")
 
@@ -43,7 +43,7 @@ def paired_cell(values: dict[str, float], baseline: dict[str, float]) -> str:
     if test.pairs < 2:
         return "-" if test.pairs == 0 else f"{test.mean:+.4g} (one seed)"
     if math.isnan(test.low):
-        return f"{test.mean:+.4g} (the same on every seed: no interval)"
+        return f"{test.mean:+.4g} ({NO_SPREAD})"
     return f"{test.mean:+.4g} [{test.low:+.3g}, {test.high:+.3g}]"
 
 
