@@ -75,10 +75,13 @@ def test_a_sweep_compares_every_encoding_with_the_first_paired_by_seed(sweep):
     )  # fmt: skip
     assert float(record["difference"]) == pytest.approx(np.mean(differences), abs=1e-9)
     half = 12.706 * np.std(differences, ddof=1) / math.sqrt(2)  # t(0.975, 1 degree of freedom)
-    if half > 0:
+    if half > 1e-9 * max(1.0, abs(np.mean(differences))):
         assert float(record["low"]) == pytest.approx(np.mean(differences) - half, abs=1e-3)
         assert float(record["high"]) == pytest.approx(np.mean(differences) + half, abs=1e-3)
-    expected = "better" if float(record["low"]) > 0 else "worse" if float(record["high"]) < 0 else "inconclusive"
+        expected = "better" if float(record["low"]) > 0 else "worse" if float(record["high"]) < 0 else "inconclusive"
+    else:  # the same difference on both seeds: no interval
+        assert record["low"] == record["high"] == ""
+        expected = "inconclusive"
     assert record["verdict"] == expected
     markdown = (sweep / "results.md").read_text()
     assert "Every encoding against rope" in markdown

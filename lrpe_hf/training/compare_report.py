@@ -71,7 +71,8 @@ COMPARISON_COLUMNS = (
 
 
 def write_comparisons_csv(path: Path, records: list[dict]) -> Path:
-    """``baseline_comparisons``' records; the interval and p-value are empty where one seed gives none."""
+    """``baseline_comparisons``' records; the interval and p-value are empty where there is none (one seed, or the
+    same difference on every seed)."""
     with open(path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=COMPARISON_COLUMNS)
         writer.writeheader()
