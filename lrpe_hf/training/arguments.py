@@ -107,21 +107,23 @@ def with_cpu_for_bf16(argv: list[str]) -> list[str]:
 
 
 def build_config(model_args: ModelArguments, config_class, **task_fields):
-    """A new config from --config_file and the command-line fields (which win), plus the task's fields."""
+    """A new config from --config_file and the command-line fields (which win), plus the task's fields. A field
+    typed on the command line that the config does not have is refused; a config file's are kept as transformers
+    keeps them (files saved by other releases carry fields of their own)."""
     values = {}
     if model_args.config_file:
         with open(model_args.config_file) as f:
             values = json.load(f)
         values.pop("model_type", None)
         values.pop("auto_map", None)
-    values.update(model_args.config_fields())
+    given = model_args.config_fields()
+    values.update(given)
     values.update(task_fields)
     known = config_class()
-    unknown = [name for name in values if not hasattr(known, name)]
+    unknown = [name for name in given if not hasattr(known, name)]
     if unknown:  # a config keeps any keyword as an attribute, which no layer would read
         valid = ", ".join(sorted(known.to_dict()))
         raise ValueError(
-            f"{config_class.__name__} has no field {', '.join(unknown)} (from --config_overrides, --config_file or the "
-            f"task's fields); its fields: {valid}"
+            f"{config_class.__name__} has no field {', '.join(unknown)} (in --config_overrides); its fields: {valid}"
         )
     return config_class(**values)
