@@ -205,6 +205,12 @@ def test_synthetic_datasets_are_seeded():
             "--baseline learned is not among the encodings compared \\(rope, none\\)",
         ),
         (["--task", "copy", "--encodings", "rope", "--profile", "huge"], "valid values: quick, medium, full"),
+        (["--task", "copy", "--encodings", "rope", "--config_overrides", "{bad"], "--config_overrides must be a JSON"),
+        (
+            ["--task", "copy", "--encodings", "rope", "--config_overrides", "[1]"],
+            "must be a JSON object, got '\\[1\\]'",
+        ),
+        (["--task", "copy", "--encodings", "rope", "--config_overrides", '{"nosuch": 1}'], "has no field nosuch"),
         (
             ["--task", "copy", "--encodings", "rope", "--eval_lengths", "64"],
             "Not a setting of task copy: --eval_lengths",

@@ -63,12 +63,18 @@ class ModelArguments:
             "max_position_embeddings",
         ]
         fields_ = {name: getattr(self, name) for name in names if getattr(self, name) is not None}
-        if self.config_overrides:
-            try:
-                fields_.update(json.loads(self.config_overrides))
-            except json.JSONDecodeError as error:
-                raise ValueError(f"--config_overrides must be a JSON object: {error}") from None
-        return fields_
+        return fields_ | parse_config_overrides(self.config_overrides)
+
+
+def parse_config_overrides(text: str | None) -> dict:
+    """``--config_overrides``' fields (a JSON object; none when empty)."""
+    try:
+        overrides = json.loads(text) if text else {}
+    except json.JSONDecodeError as error:
+        raise ValueError(f"--config_overrides must be a JSON object: {error}") from None
+    if not isinstance(overrides, dict):
+        raise ValueError(f"--config_overrides must be a JSON object, got {text!r}")
+    return overrides
 
 
 def parse_script_arguments(parser, args=None):

@@ -32,6 +32,7 @@ from transformers import (
 )
 
 from . import glue, image_classification, language_modeling, synthetic
+from .arguments import parse_config_overrides
 from .data import load_files_or_hub, select_samples
 from .presets import AUTHORS_SETUPS, split_setup
 from .provenance import working_tree
@@ -58,17 +59,6 @@ def encoding_arguments(encoding: str, feature_map: str) -> list[str]:
     return args + ["--positional_encoding", encoding]
 
 
-def sweep_overrides(text: str | None) -> dict:
-    """``--config_overrides``' fields."""
-    try:
-        overrides = json.loads(text) if text else {}
-    except json.JSONDecodeError as error:
-        raise ValueError(f"--config_overrides must be a JSON object: {error}") from None
-    if not isinstance(overrides, dict):
-        raise ValueError(f"--config_overrides must be a JSON object, got {text!r}")
-    return overrides
-
-
 def model_arguments(run: dict) -> list[str]:
     s = run["settings"]
     encoding, setup = split_setup(run["encoding"])
@@ -77,7 +67,7 @@ def model_arguments(run: dict) -> list[str]:
         args += [f"--{name}", s[name]]
     if run["task"] != "image":  # learned tables and FastRPB's span cover the longest evaluation length
         args += ["--max_position_embeddings", max([s["block_size"], *s.get("eval_lengths", [])])]
-    overrides = sweep_overrides(s["config_overrides"])
+    overrides = parse_config_overrides(s["config_overrides"])
     if setup:  # the sweep's --config_overrides win over the authors' setup
         overrides = {**AUTHORS_SETUPS[encoding](overrides.get("hidden_size", s["hidden_size"])), **overrides}
     if overrides:
