@@ -15,8 +15,8 @@ Two parts, measured side by side in one run (the machine may be shared and noisy
 
 On a CPU every configuration runs in a child process, so that its peak resident memory can be read; on
 CUDA it runs in this process and its memory is the allocator's peak, reset before it.
-Writes ``results.csv``, ``results.md``, ``results.png`` and ``results.json`` (the command, commit, machine and
-date) to ``--out`` and prints the summary of ratios.
+Writes ``results.csv``, every timed round in ``results_rounds.csv``, ``results.md``, ``results.png`` and
+``results.json`` (the command, commit, machine and date) to ``--out`` and prints the summary of ratios.
 
     python benchmarks/benchmark_attention.py                   # 512 ... 32k tokens, every encoding
     python benchmarks/benchmark_attention.py --lengths 512 2048 --encodings none rope --device cuda
@@ -25,12 +25,21 @@ date) to ``--out`` and prints the summary of ratios.
 """
 
 import argparse
-import csv
 import importlib.util
 from pathlib import Path
 
 import torch
-from measure import allocator_note, in_child, peak_memory_mb, resident_mb, timed, timed_alternately, write_provenance
+from measure import (
+    allocator_note,
+    in_child,
+    medians_with_rounds,
+    peak_memory_mb,
+    resident_mb,
+    round_rows,
+    sample_alternately,
+    write_csv,
+    write_provenance,
+)
 from torch.nn import functional as F
 
 import lrpe_hf
@@ -59,7 +68,8 @@ def kernel_call(kind, q, k, v):
 
 
 def measure_kernel(kind, tokens, device, reps, dtype=torch.float32):
-    """One kernel row, in the child: forward and forward+backward milliseconds."""
+    """One kernel row, in the child: forward and forward+backward milliseconds (median rounds; every round under
+    ``rounds``)."""
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, HEADS, tokens, 64, device=device, dtype=dtype) for _ in range(3))
     if kind != "sdpa":
@@ -72,8 +82,9 @@ def measure_kernel(kind, tokens, device, reps, dtype=torch.float32):
         kernel_call(kind, *inputs).float().sum().backward()
 
     with torch.no_grad():
-        forward = timed(lambda: kernel_call(kind, q, k, v), device, reps)
-    return {"forward_ms": forward, "train_ms": timed(train_step, device, reps)}
+        (forward,) = sample_alternately([lambda: kernel_call(kind, q, k, v)], device, reps)
+    (train,) = sample_alternately([train_step], device, reps)
+    return medians_with_rounds({"forward_ms": forward, "train_ms": train})
 
 
 def kernel_row(kind, tokens, device, reps, dtype=torch.float32):
@@ -92,7 +103,8 @@ def fla_layer(hidden, heads):
 
 
 def measure_layer(encoding, attention, causal, tokens, device, reps, compile_layer=False, dtype=torch.float32):
-    """One layer row, in the child: forward and forward+backward milliseconds, the projections' floor, peak memory."""
+    """One layer row, in the child: forward and forward+backward milliseconds, the projections' floor (median
+    rounds; every round under ``rounds``), peak memory."""
     torch.manual_seed(0)
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -124,15 +136,10 @@ def measure_layer(encoding, attention, causal, tokens, device, reps, compile_lay
     train_step()
     memory = peak_memory_mb(device, baseline)
     with torch.no_grad(), autocast:
-        forward, floor_forward = timed_alternately([lambda: run_layer(x), projections], device, reps)
-    train, floor_train = timed_alternately([train_step, projections_step], device, reps)
-    return {
-        "forward_ms": forward,
-        "train_ms": train,
-        "peak_mb": memory,
-        "floor_forward_ms": floor_forward,
-        "floor_train_ms": floor_train,
-    }
+        forward, floor_forward = sample_alternately([lambda: run_layer(x), projections], device, reps)
+    train, floor_train = sample_alternately([train_step, projections_step], device, reps)
+    samples = dict(forward_ms=forward, train_ms=train, floor_forward_ms=floor_forward, floor_train_ms=floor_train)
+    return {"peak_mb": memory} | medians_with_rounds(samples)
 
 
 def layer_row(encoding, attention, causal, tokens, device, reps, compile_layer=False, dtype=torch.float32):
@@ -158,15 +165,20 @@ def main():
     if args.device == "cpu":
         print(allocator_note())
 
-    rows = []
+    rows, timed_rounds = [], []
+
+    def add_row(key, result):
+        timed_rounds.extend(round_rows(key, result.pop("rounds", {})))  # a failed child has none
+        rows.append(key | result)
+        print(rows[-1], flush=True)
+
     for tokens in args.lengths:
         kinds = ["sdpa", "linear"] + (["fla"] if args.device == "cuda" and products_triton.fla_installed() else [])
         for kind in kinds:
             if kind == "sdpa" and tokens > args.softmax_max:
                 continue
-            result = kernel_row(kind, tokens, args.device, args.reps, dtype)
-            rows.append({"part": "kernel", "name": kind, "mode": "causal", "tokens": tokens, **result})
-            print(rows[-1], flush=True)
+            key = {"part": "kernel", "name": kind, "mode": "causal", "tokens": tokens}
+            add_row(key, kernel_row(kind, tokens, args.device, args.reps, dtype))
     variants = [(e, "linear") for e in args.encodings] + [("none", "softmax"), ("rope", "softmax")]
     if args.compile:
         variants += [(e, "compiled") for e in args.encodings]
@@ -194,29 +206,21 @@ def main():
                 )
                 names = {"linear": encoding, "softmax": f"softmax+{encoding}", "compiled": f"compiled {encoding}"}
                 name = names.get(attention, "fla-layer")
-                rows.append(
-                    {
-                        "part": "layer",
-                        "name": name,
-                        "mode": "causal" if causal else "bidirectional",
-                        "tokens": tokens,
-                        **result,
-                    }
-                )
-                print(rows[-1], flush=True)
+                mode = "causal" if causal else "bidirectional"
+                add_row({"part": "layer", "name": name, "mode": mode, "tokens": tokens}, result)
 
-    write_tables(rows, args.out)
-    write_provenance(args.out / "results.json", args.device)
+    files = write_tables(rows, timed_rounds, args.out)
+    write_provenance(args.out / "results.json", args.device, files=files)
     plot(rows, args.out)
     print("\n".join(summary(rows)))
 
 
-def write_tables(rows, out):
+def write_tables(rows, timed_rounds, out):
+    """``results.csv``, ``results_rounds.csv`` (every timed round) and ``results.md``; returns the CSVs' names."""
     fields = ["part", "name", "mode", "tokens", "forward_ms", "train_ms", "peak_mb", *FLOOR_KEYS[2:], "error"]
-    with open(out / "results.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=fields)
-        writer.writeheader()
-        writer.writerows(rows)
+    files = [write_csv(out / "results.csv", fields, rows)]
+    if timed_rounds:
+        files.append(write_csv(out / "results_rounds.csv", list(timed_rounds[0]), timed_rounds))
     lines = [
         "| part | name | mode | tokens | forward ms | forward+backward ms | peak MB | floor forward ms | floor f+b ms"
         " |",
@@ -230,6 +234,7 @@ def write_tables(rows, out):
         ]
         lines.append("| " + " | ".join(cells) + " |")
     (out / "results.md").write_text("\n".join(lines + [""] + summary(rows)) + "\n")
+    return files
 
 
 def lookup(rows, part, name, mode, tokens, key):

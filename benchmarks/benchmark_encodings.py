@@ -9,19 +9,18 @@ issue's target for it (15% over none; 50% for SPE).
     python benchmarks/benchmark_encodings.py                                  # causal, 4,096 tokens, 8 rounds
     python benchmarks/benchmark_encodings.py --tokens 16384 --mode bidirectional --encodings none rope permute
 
-Writes ``encodings.csv``, ``encodings.md`` and ``encodings.json`` (the command, commit, machine and date) to
-``--out``. ``spe_conv`` is left out by default: its codes are
-(tokens x head dim x realizations) per head, shared by a model's layers, so its cost is measured inside a model
-(``benchmark_models.py --encodings none spe_conv``).
+Writes ``encodings.csv``, every round's time per encoding in ``encodings_rounds.csv``, ``encodings.md`` and
+``encodings.json`` (the command, commit, machine and date) to ``--out``. ``spe_conv`` is left out by default: its
+codes are (tokens x head dim x realizations) per head, shared by a model's layers, so its cost is measured inside a
+model (``benchmark_models.py --encodings none spe_conv``).
 """
 
 import argparse
-import csv
 import statistics
 from pathlib import Path
 
 import torch
-from measure import allocator_note, sample_alternately, write_provenance
+from measure import allocator_note, round_rows, sample_alternately, write_csv, write_provenance
 
 import lrpe_hf
 
@@ -33,6 +32,8 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def encoding_rows(encodings, tokens, causal, device, rounds, dtype=torch.float32):
+    """Per encoding, its table row and the rounds behind it (``round_rows``: milliseconds of each round's
+    forward+backward)."""
     torch.manual_seed(0)
     x = torch.randn(1, tokens, HIDDEN, device=device, requires_grad=True)
 
@@ -48,8 +49,9 @@ def encoding_rows(encodings, tokens, causal, device, rounds, dtype=torch.float32
         steps.append(lambda layer=layer: train_step(layer))
     samples = sample_alternately(steps, device, rounds)
     fastest_none, median_none = min(samples[0]), statistics.median(samples[0])
-    rows = []
+    rows, timed_rounds = [], []
     for encoding, times in zip(encodings, samples):
+        timed_rounds += round_rows({"encoding": encoding}, {"forward+backward": times})
         fastest, median = min(times), statistics.median(times)
         target = TARGETS.get(encoding, 1.15)
         rows.append(
@@ -63,7 +65,7 @@ def encoding_rows(encodings, tokens, causal, device, rounds, dtype=torch.float32
                 "met": fastest / fastest_none <= target,
             }
         )
-    return rows
+    return rows, timed_rounds
 
 
 def main():
@@ -83,7 +85,9 @@ def main():
     if args.device == "cpu":
         print(allocator_note())
 
-    rows = encoding_rows(encodings, args.tokens, args.mode == "causal", args.device, args.rounds, DTYPES[args.dtype])
+    rows, timed_rounds = encoding_rows(
+        encodings, args.tokens, args.mode == "causal", args.device, args.rounds, DTYPES[args.dtype]
+    )
     lines = [
         f"{args.mode} layer forward+backward at {args.tokens} tokens ({args.dtype}), {args.rounds} rounds, layers "
         "taking turns:",
@@ -98,11 +102,11 @@ def main():
         )
     print("\n".join(lines))
     (args.out / "encodings.md").write_text("\n".join(lines) + "\n")
-    write_provenance(args.out / "encodings.json", args.device)
-    with open(args.out / "encodings.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    files = [
+        write_csv(args.out / "encodings.csv", list(rows[0]), rows),
+        write_csv(args.out / "encodings_rounds.csv", list(timed_rounds[0]), timed_rounds),
+    ]
+    write_provenance(args.out / "encodings.json", args.device, files=files)
 
 
 if __name__ == "__main__":

@@ -10,8 +10,8 @@ reset allocator peak):
 - generation: milliseconds per new token after a prompt of C tokens (prefill with the cache, then one token
   at a time), and tokens/s at batch 8.
 
-Writes ``models.csv``, ``models.md``, ``models.png`` and ``models.json`` (the command, commit, machine and date)
-to ``--out`` and prints the summary of ratios.
+Writes ``models.csv``, every timed round in ``models_rounds.csv``, ``models.md``, ``models.png`` and ``models.json``
+(the command, commit, machine and date) to ``--out`` and prints the summary of ratios.
 
     python benchmarks/benchmark_models.py
     python benchmarks/benchmark_models.py --lengths 512 4096 --contexts 256 4096 --encodings none permute
@@ -19,7 +19,7 @@ to ``--out`` and prints the summary of ratios.
 """
 
 import argparse
-import csv
+import statistics
 from pathlib import Path
 
 import torch
@@ -29,7 +29,9 @@ from measure import (
     in_child,
     peak_memory_mb,
     resident_mb,
-    timed,
+    round_rows,
+    sample_alternately,
+    write_csv,
     write_provenance,
 )
 from transformers import AutoModelForCausalLM, GPT2Config
@@ -79,7 +81,8 @@ def build(name, max_tokens, device):
 
 
 def measure_training(name, tokens, device, reps, dtype=torch.float32):
-    """One training row, in the child: seconds a step, tokens/s, peak memory."""
+    """One training row, in the child: seconds a step (the median round), tokens/s, peak memory, and every timed
+    round's milliseconds (``rounds``)."""
     baseline = resident_mb()
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -94,9 +97,10 @@ def measure_training(name, tokens, device, reps, dtype=torch.float32):
 
     step()
     memory, high_water_mark = peak_memory_mb(device, baseline), high_water_mark_mb()
-    ms = timed(step, device, reps)
-    result = {"seconds": ms / 1000, "tokens_per_s": tokens / (ms / 1000), "peak_mb": memory}
-    return result | ({"vm_hwm_mb": high_water_mark} if device == "cpu" else {})
+    (samples,) = sample_alternately([step], device, reps)
+    seconds = statistics.median(samples) / 1000
+    result = {"seconds": seconds, "tokens_per_s": tokens / seconds, "peak_mb": memory}
+    return result | ({"vm_hwm_mb": high_water_mark} if device == "cpu" else {}) | {"rounds": {"train step": samples}}
 
 
 def train_row(name, tokens, device, reps, dtype=torch.float32):
@@ -104,7 +108,8 @@ def train_row(name, tokens, device, reps, dtype=torch.float32):
 
 
 def measure_generation(name, context, device, reps, batch=1, new_tokens=16, dtype=torch.float32):
-    """One decoding row, in the child (``generation_row`` says how it is timed)."""
+    """One decoding row, in the child (``generation_row`` says how it is timed), with every timed round's
+    milliseconds per token (``rounds``)."""
     model = build(name, context + (reps + 1) * new_tokens + 1, device).eval()
     step = model
     if name.endswith("+compile"):
@@ -123,8 +128,11 @@ def measure_generation(name, context, device, reps, batch=1, new_tokens=16, dtyp
             out = step(input_ids=token, use_cache=True, **{CACHE_OUTPUT_FIELD: cache})
             token = out.logits[:, -1:].argmax(-1)
 
-        total = timed(lambda: [one_token() for _ in range(new_tokens)], device, reps)
-    return {"ms_per_token": total / new_tokens, "tokens_per_s": 1000 * batch * new_tokens / total}
+        (samples,) = sample_alternately([lambda: [one_token() for _ in range(new_tokens)]], device, reps)
+    per_token = [ms / new_tokens for ms in samples]
+    ms_per_token = statistics.median(per_token)
+    rounds = {f"token (mean of {new_tokens} steps)": per_token}
+    return {"ms_per_token": ms_per_token, "tokens_per_s": 1000 * batch / ms_per_token, "rounds": rounds}
 
 
 def generation_row(name, context, device, reps, batch=1, new_tokens=16, dtype=torch.float32):
@@ -175,46 +183,35 @@ def main():
     names = ["gpt2-sdpa"] + args.encodings
     if args.device == "cpu":
         print(allocator_note(), flush=True)
-    rows = []
+    rows, timed_rounds = [], []
+
+    def add_row(task, name, tokens, result):
+        key = {"task": task, "model": name, "tokens": tokens}
+        timed_rounds.extend(round_rows(key, result.pop("rounds", {})))  # a failed child has none
+        rows.append(key | result)
+        print(rows[-1], flush=True)
+
     for tokens in args.lengths:
         for name in [n for n in names if not n.endswith(("+compile", "+graphs"))]:
             if name == "gpt2-sdpa" and tokens > args.gpt2_max:
                 continue
-            rows.append(
-                {
-                    "task": "train",
-                    "model": name,
-                    "tokens": tokens,
-                    **train_row(name, tokens, args.device, args.reps, dtype),
-                }
-            )
-            print(rows[-1], flush=True)
+            add_row("train", name, tokens, train_row(name, tokens, args.device, args.reps, dtype))
     for context in args.contexts:
         for name in [n for n in names if not n.endswith("+ckpt")]:
             if name == "gpt2-sdpa" and context > args.gpt2_max:
                 continue
-            rows.append(
-                {
-                    "task": "generate",
-                    "model": name,
-                    "tokens": context,
-                    **generation_row(name, context, args.device, args.reps, dtype=dtype),
-                }
-            )
-            print(rows[-1], flush=True)
+            add_row("generate", name, context, generation_row(name, context, args.device, args.reps, dtype=dtype))
     for context in args.batch_contexts:
         for name in [n for n in names if not n.endswith("+ckpt")]:
             if name == "gpt2-sdpa" and context > args.gpt2_max:
                 continue
             result = generation_row(name, context, args.device, args.reps, batch=8, dtype=dtype)
-            rows.append({"task": "generate-batch8", "model": name, "tokens": context, **result})
-            print(rows[-1], flush=True)
+            add_row("generate-batch8", name, context, result)
     fields = ["task", "model", "tokens", "seconds", "tokens_per_s", "peak_mb", "vm_hwm_mb", "ms_per_token", "error"]
-    write_provenance(args.out / "models.json", args.device)
-    with open(args.out / "models.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=fields)
-        writer.writeheader()
-        writer.writerows(rows)
+    files = [write_csv(args.out / "models.csv", fields, rows)]
+    if timed_rounds:
+        files.append(write_csv(args.out / "models_rounds.csv", list(timed_rounds[0]), timed_rounds))
+    write_provenance(args.out / "models.json", args.device, files=files)
     lines = [
         "| task | model | tokens | seconds | tokens/s | peak MiB | VmHWM MiB | ms/token |",
         "|---|---|---|---|---|---|---|---|",

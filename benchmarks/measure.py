@@ -20,13 +20,12 @@ from lrpe_hf.training.verdicts import paired_test
 
 def timed(fn, device, reps):
     """Median of ``reps`` wall-clock runs after one warm-up, in milliseconds."""
-    return timed_alternately([fn], device, reps)[0]
+    return statistics.median(sample_alternately([fn], device, reps)[0])
 
 
-def timed_alternately(fns, device, reps):
-    """Medians of ``reps`` wall-clock runs of each function after one warm-up each, in milliseconds, the functions
-    taking turns in every round (so that a shared machine's changing load touches them alike)."""
-    return [statistics.median(fn_times) for fn_times in sample_alternately(fns, device, reps)]
+def medians_with_rounds(samples: dict[str, list[float]]) -> dict:
+    """Each quantity's median round (milliseconds), and every round behind it under ``rounds``."""
+    return {quantity: statistics.median(times) for quantity, times in samples.items()} | {"rounds": samples}
 
 
 def sample_alternately(fns, device, reps):
@@ -67,19 +66,33 @@ def time_ratio(samples, reference) -> dict:
     )  # fmt: skip
 
 
+def write_csv(path: Path, fields: list[str], rows: list[dict]) -> str:
+    """``rows`` as the CSV ``path`` (a row's missing fields left empty); returns the file's name."""
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows(rows)
+    return path.name
+
+
+def round_rows(key: dict, samples: dict[str, list[float]]) -> list[dict]:
+    """The timed rounds behind one table row: per round, the row's ``key`` fields, the quantity timed (a key of
+    ``samples``), the round's index from 0 and its milliseconds."""
+    return [
+        key | {"quantity": quantity, "round": i, "ms": ms}
+        for quantity, times in samples.items()
+        for i, ms in enumerate(times)
+    ]
+
+
 def write_table(out: Path, name: str, fields: list[str], rows: list[dict], rounds: list[dict] | None = None):
     """``NAME.csv`` and its record ``NAME.json`` in ``out``, and the table printed in markdown; with ``rounds`` (one
     dict per timed sample behind the table's figures) also ``NAME_rounds.csv``, which the record covers too."""
     out.mkdir(parents=True, exist_ok=True)
-    tables = {f"{name}.csv": (fields, rows)}
+    files = [write_csv(out / f"{name}.csv", fields, rows)]
     if rounds:
-        tables[f"{name}_rounds.csv"] = (list(rounds[0]), rounds)
-    for file, (columns, table) in tables.items():
-        with open(out / file, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=columns)
-            writer.writeheader()
-            writer.writerows(table)
-    write_provenance(out / f"{name}.json", "cpu", files=list(tables))
+        files.append(write_csv(out / f"{name}_rounds.csv", list(rounds[0]), rounds))
+    write_provenance(out / f"{name}.json", "cpu", files=files)
     print("| " + " | ".join(fields) + " |")
     for row in rows:
         print("| " + " | ".join(str(row[field]) for field in fields) + " |")

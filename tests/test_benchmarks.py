@@ -35,12 +35,80 @@ def test_encodings_benchmark_reports_every_encoding_over_none(tmp_path):
     assert "| fastrpb |" in (tmp_path / "encodings.md").read_text()
 
 
+def test_encodings_benchmark_keeps_the_rounds_behind_its_figures(tmp_path):
+    command = [sys.executable, str(BENCHMARKS / "benchmark_encodings.py"), "--tokens", "32", "--rounds", "3"]
+    command += ["--encodings", "rope", "--out", str(tmp_path)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    rows, rounds = read_csv(tmp_path / "encodings.csv"), read_csv(tmp_path / "encodings_rounds.csv")
+    assert [(r["encoding"], r["round"]) for r in rounds] == [(e, str(i)) for e in ("none", "rope") for i in range(3)]
+    times = {e: [float(r["ms"]) for r in rounds if r["encoding"] == e] for e in ("none", "rope")}
+    for row in rows:
+        assert float(row["fastest_ms"]) == min(times[row["encoding"]])
+        assert float(row["median_ms"]) == statistics.median(times[row["encoding"]])
+        assert math.isclose(float(row["median_over_none"]), float(row["median_ms"]) / statistics.median(times["none"]))
+    record = json.loads((tmp_path / "encodings.json").read_text())
+    assert record["files"] == ["encodings.csv", "encodings_rounds.csv"]
+
+
+def test_model_benchmark_keeps_the_rounds_behind_its_figures(tmp_path):
+    command = [sys.executable, str(BENCHMARKS / "benchmark_models.py"), "--lengths", "32", "--contexts", "8"]
+    command += ["--batch-contexts", "8", "--encodings", "rope", "--reps", "3", "--out", str(tmp_path)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    rows, rounds = read_csv(tmp_path / "models.csv"), read_csv(tmp_path / "models_rounds.csv")
+    tasks = [(r["task"], r["model"]) for r in rows]
+    assert tasks == [(t, m) for t in ("train", "generate", "generate-batch8") for m in ("gpt2-sdpa", "rope")]
+    for row in rows:
+        mine = [r for r in rounds if (r["task"], r["model"], r["tokens"]) == (row["task"], row["model"], row["tokens"])]
+        assert [r["round"] for r in mine] == ["0", "1", "2"]
+        median = statistics.median(float(r["ms"]) for r in mine)
+        if row["task"] == "train":
+            assert {r["quantity"] for r in mine} == {"train step"}
+            assert float(row["seconds"]) == median / 1000
+        else:  # milliseconds per token: the median round of 16 one-token steps, over 16
+            assert {r["quantity"] for r in mine} == {"token (mean of 16 steps)"}
+            assert float(row["ms_per_token"]) == median
+            batch = 8 if row["task"] == "generate-batch8" else 1
+            assert math.isclose(float(row["tokens_per_s"]), 1000 * batch / median)
+    record = json.loads((tmp_path / "models.json").read_text())
+    assert record["files"] == ["models.csv", "models_rounds.csv"]
+
+
+def test_attention_benchmark_keeps_the_rounds_behind_its_figures(tmp_path):
+    command = [sys.executable, str(BENCHMARKS / "benchmark_attention.py"), "--lengths", "64", "--modes", "causal"]
+    command += ["--encodings", "rope", "--reps", "3", "--out", str(tmp_path)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    rows, rounds = read_csv(tmp_path / "results.csv"), read_csv(tmp_path / "results_rounds.csv")
+    names = [(r["part"], r["name"]) for r in rows]
+    assert names == [("kernel", "sdpa"), ("kernel", "linear"), ("layer", "rope")] + [
+        ("layer", f"softmax+{e}") for e in ("none", "rope")
+    ]
+    for row in rows:
+        mine = [r for r in rounds if (r["part"], r["name"], r["mode"]) == (row["part"], row["name"], row["mode"])]
+        quantities = ["forward_ms", "train_ms"] + (
+            ["floor_forward_ms", "floor_train_ms"] if row["part"] == "layer" else []
+        )
+        assert list(dict.fromkeys(r["quantity"] for r in mine)) == quantities
+        for quantity in quantities:
+            times = [float(r["ms"]) for r in mine if r["quantity"] == quantity]
+            assert len(times) == 3 and float(row[quantity]) == statistics.median(times)
+    record = json.loads((tmp_path / "results.json").read_text())
+    assert record["files"] == ["results.csv", "results_rounds.csv"]
+
+
+def read_csv(path):
+    with open(path) as f:
+        return list(csv.DictReader(f))
+
+
 def test_each_benchmark_records_its_command_commit_machine_and_date(tmp_path):
     command = [sys.executable, str(BENCHMARKS / "benchmark_encodings.py"), "--tokens", "32", "--rounds", "1"]
     command += ["--encodings", "rope", "--out", str(tmp_path)]
     assert subprocess.run(command, capture_output=True, text=True, timeout=300).returncode == 0
     record = json.loads((tmp_path / "encodings.json").read_text())
-    assert record["written_by"] == "benchmarks/benchmark_encodings.py" and record["files"] == ["encodings.csv"]
+    assert record["written_by"] == "benchmarks/benchmark_encodings.py"
     (entry,) = record["invocations"]
     assert entry["command"].startswith("python benchmarks/benchmark_encodings.py --tokens 32")
     assert entry["commit"] is None or re.fullmatch(r"[0-9a-f]{40}", entry["commit"])
