@@ -55,6 +55,27 @@ def test_hidden_size_must_split_into_heads():
         LinearAttention(10, 3)
 
 
+@pytest.mark.parametrize(
+    "config_class", [lrpe_hf.LinearGPTConfig, lrpe_hf.LinearRobertaConfig, lrpe_hf.LinearViTConfig]
+)
+@pytest.mark.parametrize(
+    "typo,field",
+    [("positional_encodng", "positional_encoding"), ("feature_mapp", "feature_map"), ("chunksize", "chunk_size")],
+)
+def test_a_config_refuses_a_misspelt_field_and_names_the_field(config_class, typo, field):
+    with pytest.raises(ValueError, match=f"no field '{typo}'; did you mean '{field}'"):
+        config_class(**{typo: "rope"})
+
+
+def test_a_config_keeps_the_fields_of_other_transformers_releases_and_saves_them(tmp_path):
+    # Transformers' own keys from other releases and a user's own note are kept, as every Transformers config keeps
+    # them; only names close to this library's fields are refused
+    config = lrpe_hf.LinearGPTConfig(tie_encoder_decoder=False, experiment="run 7")
+    config.save_pretrained(tmp_path)
+    loaded = lrpe_hf.LinearGPTConfig.from_pretrained(tmp_path)
+    assert (loaded.tie_encoder_decoder, loaded.experiment) == (False, "run 7")
+
+
 def test_fastrpb_refuses_spans_beyond_max_positions():
     layer = LinearAttention(16, 2, positional_encoding="fastrpb", max_positions=8)
     layer(torch.randn(1, 8, 16))

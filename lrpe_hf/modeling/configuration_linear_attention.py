@@ -6,7 +6,8 @@ from the model family and are not config fields. Validation is ``AttentionOption
 built.
 """
 
-from dataclasses import field, make_dataclass
+import difflib
+from dataclasses import field, fields, make_dataclass
 
 from transformers import PreTrainedConfig
 
@@ -42,6 +43,7 @@ class LinearAttentionConfig(PreTrainedConfig, AttentionConfigFields):
     position_dims = 1
 
     def __post_init__(self, **kwargs):
+        self._refuse_misspelt_fields(kwargs)
         super().__post_init__(**kwargs)
         if self.absolute_position_embedding not in ABSOLUTE_POSITION_EMBEDDINGS:
             raise ValueError(
@@ -54,6 +56,21 @@ class LinearAttentionConfig(PreTrainedConfig, AttentionConfigFields):
                 f"({self.num_attention_heads})"
             )
         self.attention_options()  # raises ValueError on any invalid value or combination
+
+    def _refuse_misspelt_fields(self, extra: dict):
+        """A config keeps any other keyword as an attribute (as every Transformers config does: files saved by other
+        releases carry fields of their own), which nothing reads; one spelt almost like a field of this library's
+        (not Transformers' own, whose names change between releases) is a typo that would leave the field at its
+        default, so it is refused."""
+        transformers_fields = {f.name for f in fields(PreTrainedConfig)}
+        names = [f.name for f in fields(self) if f.name not in transformers_fields]
+        for key in extra:
+            close = difflib.get_close_matches(key, names, n=1, cutoff=0.85)
+            if close:
+                raise ValueError(
+                    f"{type(self).__name__} has no field {key!r}; did you mean {close[0]!r}? (an unknown keyword "
+                    "would be kept as an attribute that nothing reads)"
+                )
 
     @property
     def max_relative_positions(self) -> int:
