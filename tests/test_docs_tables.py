@@ -136,6 +136,22 @@ def test_a_table_naming_missing_data_or_an_unknown_kind_fails():
         build_tables.build("pie medium_cpu/lrpe_table1/results.csv")
 
 
+def test_repeats_table_gives_each_rows_median_range_and_each_runs_own_ratio():
+    def run(none_ms, rope_ms, met):
+        return [dict(encoding="none", ms=none_ms, met=True), dict(encoding="rope", ms=rope_ms, met=met)]
+
+    # rope over none per run: 1.2, 1.5, 1.1 (median 1.2), whereas the medians' ratio would be 14 / 10 = 1.4
+    runs = [run(10, 12, True), run(8, 12, False), run(20, 22, True)]
+    table = tables.repeats_table(runs, ["encoding"], "ms", ("encoding", "none"))
+    assert table[0] == "| encoding | runs | ms: median (range), spread | over none: median (range), spread | met |"
+    assert table[2] == "| none | 3 | 10 (8-20), 120% | - | 3 of 3 |"
+    assert table[3] == "| rope | 3 | 12 (12-22), 83% | 1.20x (1.10-1.50x), 33% | 2 of 3 |"
+    with pytest.raises(ValueError, match="no ms for rope"):
+        tables.repeats_table([*runs, run(10, "", True)], ["encoding"], "ms")
+    with pytest.raises(FileNotFoundError, match="not under docs/data"):
+        build_tables.build("repeats benchmarks/nowhere results.csv name forward_ms")
+
+
 def rows_of(encoding, values, feature_map="elu", metric="perplexity"):
     return [dict(encoding=encoding, feature_map=feature_map, seed=s, **{metric: v}) for s, v in enumerate(values)]
 

@@ -230,3 +230,50 @@ def models_table(rows: list[dict], task: str, column: str, reference: str = "gpt
         shown = f"{value:,.0f}" if value >= 100 else f"{value:.3g}"
         body.append([row["model"], f"{int(row['tokens']):,}", shown, ratio])
     return markdown(header, body)
+
+
+def repeats_table(
+    runs: list[list[dict]], keys: list[str], column: str, over: tuple[str, str] | None = None
+) -> list[str]:
+    """One benchmark run several times: per row (identified by its ``keys`` columns), ``column``'s median over
+    the runs with its range and spread ((max - min) / median); with ``over`` = (key, value), also the row's
+    ``column`` over that of the row of the same run that has ``value`` for ``key`` and the same other keys (each
+    run's ratio, then their median, range and spread). A ``met`` column, where the CSV has one, is counted."""
+
+    def identity(row):
+        return tuple(str(row[k]) for k in keys)
+
+    def spread_cell(values: list[float], unit: str = "") -> str:
+        middle = statistics.median(values)
+        form = "{:.2f}" if unit == "x" else "{:,.0f}" if abs(middle) >= 100 else "{:.3g}"
+        shown = [form.format(v) for v in (middle, min(values), max(values))]
+        return f"{shown[0]}{unit} ({shown[1]}-{shown[2]}{unit}), {100 * (max(values) - min(values)) / middle:.0f}%"
+
+    order = list(dict.fromkeys(identity(r) for r in runs[0] if number(r.get(column)) is not None))
+    values, ratios, met = {key: [] for key in order}, {key: [] for key in order}, {key: 0 for key in order}
+    for run in runs:
+        by_identity = {identity(r): r for r in run}
+        for key in order:
+            row = by_identity.get(key)
+            if row is None or number(row.get(column)) is None:
+                raise ValueError(f"A run of the repeats has no {column} for {', '.join(key)}")
+            values[key].append(number(row[column]))
+            met[key] += str(row.get("met")) == "True"
+            if over is not None:
+                reference = dict(zip(keys, key)) | {over[0]: over[1]}
+                base = by_identity.get(tuple(reference[k] for k in keys))
+                if base is not None and base is not row:
+                    ratios[key].append(number(row[column]) / number(base[column]))
+    label = column.replace("_", " ")
+    header = [*keys, "runs", f"{label}: median (range), spread"]
+    header += [f"over {over[1]}: median (range), spread"] if over else []
+    header += ["met"] if "met" in runs[0][0] else []
+    body = []
+    for key in order:
+        line = [*key, str(len(values[key])), spread_cell(values[key])]
+        if over:
+            line.append(spread_cell(ratios[key], "x") if ratios[key] else "-")
+        if "met" in runs[0][0]:
+            line.append(f"{met[key]} of {len(runs)}")
+        body.append(line)
+    return markdown(header, body)
