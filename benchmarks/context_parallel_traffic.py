@@ -17,13 +17,12 @@ Measured (``--measure``): two gloo processes, each with half of an N-token seque
 ``context_parallel``, against one process with all N tokens; forward+backward of one causal ``LinearAttention``
 (hidden 512, 8 heads, the given encoding), median of ``--reps`` after a warm-up; the growth of each process's peak
 resident memory from before its inputs and layer were made (the first step included; the larger rank's); the
-bytes ``context_parallel`` gathered per step, counted.
+bytes ``context_parallel`` gathered per step, counted. Every timed round of each process: ``measured_rounds.csv``.
 
     python benchmarks/context_parallel_traffic.py --measure --tokens 16384 --out docs/data/benchmarks/context_parallel
 """
 
 import argparse
-import csv
 import os
 import resource
 import statistics
@@ -35,7 +34,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from measure import write_provenance
+from measure import round_rows, write_csv, write_provenance
 
 import lrpe_hf
 from lrpe_hf.modeling import context_parallel as cp_module
@@ -65,13 +64,14 @@ def layer(encoding):
 
 
 def step_times(module, x, reps):
+    """Milliseconds of each of ``reps`` forward+backward steps after a warm-up step."""
     times = []
     for round_index in range(reps + 1):
         start = time.perf_counter()
         module(x.requires_grad_()).square().mean().backward()
         if round_index:
             times.append(1000 * (time.perf_counter() - start))
-    return statistics.median(times)
+    return times
 
 
 def peak_mb():
@@ -94,9 +94,9 @@ def split_rank(rank, size, rendezvous, encoding, tokens, reps, results):
     x = whole[:, rank * tokens // size : (rank + 1) * tokens // size].contiguous()
     module = layer(encoding)
     with lrpe_hf.context_parallel():
-        ms = step_times(module, x, reps)
+        rounds = step_times(module, x, reps)
     calls = reps + 1
-    results[rank] = dict(ms=ms, growth_mb=peak_mb() - baseline, sent_bytes_per_step=sum(counted) / calls)
+    results[rank] = dict(rounds=rounds, growth_mb=peak_mb() - baseline, sent_bytes_per_step=sum(counted) / calls)
     dist.barrier()
     sys.stdout.flush()
     os._exit(0)  # gloo's teardown at exit can abort after the work is done
@@ -106,10 +106,12 @@ def whole_sequence(encoding, tokens, reps, results):
     torch.set_num_threads(1)
     baseline = peak_mb()
     x = torch.randn(1, tokens, HIDDEN, generator=torch.Generator().manual_seed(1))
-    results["one"] = dict(ms=step_times(layer(encoding), x, reps), growth_mb=peak_mb() - baseline)
+    results["one"] = dict(rounds=step_times(layer(encoding), x, reps), growth_mb=peak_mb() - baseline)
 
 
 def measured_row(encoding, tokens, reps):
+    """One encoding's row (medians of each process's rounds; the two ranks' time is the slower rank's), and the
+    rounds behind it."""
     context = mp.get_context("spawn")
     with context.Manager() as manager:
         results = manager.dict()
@@ -127,20 +129,15 @@ def measured_row(encoding, tokens, reps):
             process.join()
         results = dict(results)
     split = [results[0], results[1]]
-    return dict(
-        encoding=encoding, tokens=tokens, one_process_ms=round(results["one"]["ms"], 1),
-        two_ranks_ms=round(max(r["ms"] for r in split), 1),
+    samples = {"one process": results["one"]["rounds"], "rank 0": split[0]["rounds"], "rank 1": split[1]["rounds"]}
+    row = dict(
+        encoding=encoding, tokens=tokens, one_process_ms=round(statistics.median(samples["one process"]), 1),
+        two_ranks_ms=round(max(statistics.median(r["rounds"]) for r in split), 1),
         one_process_memory_growth_mb=round(results["one"]["growth_mb"]),
         two_ranks_memory_growth_mb=round(max(r["growth_mb"] for r in split)),
         sent_bytes_per_step=int(split[0]["sent_bytes_per_step"]),
     )  # fmt: skip
-
-
-def write_csv(path, rows):
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    return row, round_rows(dict(encoding=encoding, tokens=tokens), samples)
 
 
 def main():
@@ -155,14 +152,18 @@ def main():
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     rows = computed_rows(args.lengths, args.ranks)
-    write_csv(args.out / "traffic.csv", rows)
+    write_csv(args.out / "traffic.csv", None, rows)
     for row in rows:
         print(row)
     if args.measure:
-        measured = [measured_row(encoding, args.tokens, args.reps) for encoding in args.encodings]
-        for row in measured:
+        measured, measured_rounds = [], []
+        for encoding in args.encodings:
+            row, rounds = measured_row(encoding, args.tokens, args.reps)
             print(row)
-        write_csv(args.out / "measured.csv", measured)
+            measured.append(row)
+            measured_rounds += rounds
+        write_csv(args.out / "measured.csv", None, measured)
+        write_csv(args.out / "measured_rounds.csv", None, measured_rounds)
     write_provenance(args.out / "context_parallel.json", "cpu")
 
 

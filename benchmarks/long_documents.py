@@ -31,7 +31,7 @@ students against every teacher method and their own first 512 tokens, paired by 
 well as the seeds); the short-text check (tweet sentiment, the same probe, teacher
 against student) and the time and peak memory of one document per length go to ``--output_dir``: ``results.csv``
 (per seed), ``summary.csv`` (means over seeds), ``predictions.csv`` (per document), ``comparisons.csv``,
-``short_text.csv``, ``costs.csv``, ``results.md`` and ``record.json``.
+``short_text.csv``, ``costs.csv`` (every timed round in ``costs_rounds.csv``), ``results.md`` and ``record.json``.
 
     python benchmarks/long_documents.py --output_dir out/long_documents --encodings lrpe_orthogonal,rope,permute \
         --seeds 0,1,2
@@ -49,7 +49,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from linearization_quality import fetch_teacher
-from measure import high_water_mark_mb, resident_mb, timed, write_provenance
+from measure import high_water_mark_mb, resident_mb, round_rows, sample_alternately, write_csv, write_provenance
 from sklearn.linear_model import LogisticRegressionCV
 from sklearn.model_selection import KFold, StratifiedKFold
 from sklearn.pipeline import make_pipeline
@@ -185,8 +185,9 @@ def short_text_accuracy(tweets: dict, seed: int) -> float:
 
 
 def document_cost(model_folder: str, tokenizer_folder: str, method: str, length: int) -> dict:
-    """Median time of one document of ``length`` tokens (3 runs after a warm-up) and how far resident memory rose
-    above the loaded model's at its peak, in this process (run it in a fresh one: ``costs``)."""
+    """Median time of one document of ``length`` tokens (3 rounds after a warm-up, every round under ``rounds``) and
+    how far resident memory rose above the loaded model's at its peak, in this process (run it in a fresh one:
+    ``costs``)."""
     model = AutoModel.from_pretrained(model_folder, trust_remote_code=True).eval()
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder)
     vocabulary = model.config.vocab_size
@@ -195,14 +196,14 @@ def document_cost(model_folder: str, tokenizer_folder: str, method: str, length:
     pieces = {"student": [tokens], "teacher windows": windows(tokens, 510)}.get(method, [tokens[:510]])
     baseline = resident_mb()
     Path("/proc/self/clear_refs").write_text("5")  # Linux: the peak (VmHWM) starts again from what is resident now
-    ms = timed(lambda: mean_pooled(model, pieces, tokenizer), "cpu", reps=3)
-    return dict(ms=ms, peak_mb=high_water_mark_mb() - baseline)
+    (rounds,) = sample_alternately([lambda: mean_pooled(model, pieces, tokenizer)], "cpu", reps=3)
+    return dict(ms=statistics.median(rounds), peak_mb=high_water_mark_mb() - baseline, rounds=rounds)
 
 
-def costs(teacher_folder: Path, student_folder: Path, lengths: list[int]) -> list[dict]:
+def costs(teacher_folder: Path, student_folder: Path, lengths: list[int]) -> tuple[list[dict], list[dict]]:
     """``document_cost`` of each method and length, each in a new process (spawned: its memory is its own, and no
-    thread pool of this one is inherited half-used, as a fork would)."""
-    rows = []
+    thread pool of this one is inherited half-used, as a fork would); and the timed rounds behind them."""
+    rows, timed_rounds = [], []
     spawn = multiprocessing.get_context("spawn")
     for length in lengths:
         for method, folder in (
@@ -216,8 +217,10 @@ def costs(teacher_folder: Path, student_folder: Path, lengths: list[int]) -> lis
                     measured = job.result()
                 except Exception as error:  # for example out of memory: the row says so
                     measured = {"error": f"{type(error).__name__}: {str(error)[:80]}"}
-            rows.append(dict(method=method, length=length, **measured))
-    return rows
+            key = dict(method=method, length=length)
+            timed_rounds += round_rows(key, {"document": measured.pop("rounds", [])})
+            rows.append(key | measured)
+    return rows, timed_rounds
 
 
 def main():
@@ -342,27 +345,21 @@ def main():
                 )  # fmt: skip
 
     student_folder = out / "students" / f"{runs[0][0]}-seed{runs[0][1]}"
-    cost_rows = costs(pretrained, student_folder, [int(n) for n in args.cost_lengths.split(",")])
+    cost_rows, cost_rounds = costs(pretrained, student_folder, [int(n) for n in args.cost_lengths.split(",")])
 
-    write_csv(out / "results.csv", rows)
+    write_csv(out / "results.csv", None, rows)
     means = method_means(rows)
-    write_csv(out / "summary.csv", means)
-    write_csv(out / "comparisons.csv", comparisons)
-    write_csv(out / "predictions.csv", predictions)
-    write_csv(out / "short_text.csv", short_text)
-    write_csv(out / "costs.csv", cost_rows)
+    write_csv(out / "summary.csv", None, means)
+    write_csv(out / "comparisons.csv", None, comparisons)
+    write_csv(out / "predictions.csv", None, predictions)
+    write_csv(out / "short_text.csv", None, short_text)
+    write_csv(out / "costs.csv", None, cost_rows)
+    write_csv(out / "costs_rounds.csv", None, cost_rounds)
     (out / "losses.json").write_text(json.dumps({f"{e}-seed{s}": v for (e, s), v in losses.items()}, indent=2))
     report = summary(means, comparisons, short_text, cost_rows)
     (out / "results.md").write_text("\n".join(report) + "\n")
     write_provenance(out / "record.json", "cpu")
     print("\n".join(report))
-
-
-def write_csv(path: Path, rows: list[dict]):
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
 
 
 def method_means(rows: list[dict]) -> list[dict]:

@@ -66,8 +66,11 @@ def time_ratio(samples, reference) -> dict:
     )  # fmt: skip
 
 
-def write_csv(path: Path, fields: list[str], rows: list[dict]) -> str:
-    """``rows`` as the CSV ``path`` (a row's missing fields left empty); returns the file's name."""
+def write_csv(path: Path, fields: list[str] | None, rows: list[dict]) -> str:
+    """``rows`` as the CSV ``path`` (a row's missing fields left empty; ``fields`` None: every key of the rows, in
+    the order they first come); returns the file's name."""
+    if fields is None:
+        fields = list(dict.fromkeys(key for row in rows for key in row))
     with open(path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=fields)
         writer.writeheader()
