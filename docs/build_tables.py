@@ -21,9 +21,10 @@ Kinds (``lrpe_hf/training/tables.py`` renders them):
 - ``floors CSV``: each attention layer over its own projections (``benchmarks/benchmark_attention.py``);
 - ``models CSV TASK COLUMN``: one task of ``benchmarks/benchmark_models.py``, each model over GPT-2's;
 - ``rows CSV COLUMN ...``: the CSV's rows as they are, those columns;
-- ``repeats FOLDER CSV KEYS COLUMN [KEY=VALUE]``: one benchmark run several times (``FOLDER/run_*/CSV``): per row
-  (KEYS: its identifying columns, comma-separated), COLUMN's median, range and spread over the runs, and with
-  KEY=VALUE each run's ratio to the row that has VALUE for KEY.
+- ``repeats FOLDER CSV KEYS COLUMN [KEY=VALUE] [KEY==VALUE ...]``: one benchmark run several times
+  (``FOLDER/run_*/CSV``): per row (KEYS: its identifying columns, comma-separated; KEY==VALUE: only the rows with
+  that value), COLUMN's median, range and spread over the runs, and with KEY=VALUE each run's ratio to the row that
+  has VALUE for KEY.
 
     python docs/build_tables.py           # rewrite every table
     python docs/build_tables.py --check   # list the tables that differ from their data, exit 1 if any
@@ -85,12 +86,13 @@ def build(spec: str) -> list[str]:
         name, task, column = args
         return tables.models_table(read(name), task, column)
     if kind == "repeats":
-        folder, name, keys, column, *over = args
+        folder, name, keys, column, *options = args
         runs = [read(str(path.relative_to(DATA))) for path in sorted((DATA / folder).glob(f"run_*/{name}"))]
         if not runs:
             raise FileNotFoundError(f"A table names {folder}/run_*/{name}, which is not under docs/data/")
-        reference = tuple(over[0].split("=")) if over else None
-        return tables.repeats_table(runs, keys.split(","), column, reference)
+        only = dict(option.split("==") for option in options if "==" in option)
+        over = [tuple(option.split("=")) for option in options if "==" not in option]
+        return tables.repeats_table(runs, keys.split(","), column, over[0] if over else None, only)
     if kind == "rows":
         name, *columns = args
         return tables.csv_table(read(name), columns)

@@ -146,6 +146,8 @@ def test_repeats_table_gives_each_rows_median_range_and_each_runs_own_ratio():
     assert table[0] == "| encoding | runs | ms: median (range), spread | over none: median (range), spread | met |"
     assert table[2] == "| none | 3 | 10 (8-20), 120% | - | 3 of 3 |"
     assert table[3] == "| rope | 3 | 12 (12-22), 83% | 1.20x (1.10-1.50x), 33% | 2 of 3 |"
+    only_rope = tables.repeats_table(runs, ["encoding"], "ms", only={"encoding": "rope"})
+    assert only_rope[2:] == ["| rope | 3 | 12 (12-22), 83% | 2 of 3 |"]
     with pytest.raises(ValueError, match="no ms for rope"):
         tables.repeats_table([*runs, run(10, "", True)], ["encoding"], "ms")
     with pytest.raises(FileNotFoundError, match="not under docs/data"):

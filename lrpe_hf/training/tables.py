@@ -233,19 +233,27 @@ def models_table(rows: list[dict], task: str, column: str, reference: str = "gpt
 
 
 def repeats_table(
-    runs: list[list[dict]], keys: list[str], column: str, over: tuple[str, str] | None = None
+    runs: list[list[dict]],
+    keys: list[str],
+    column: str,
+    over: tuple[str, str] | None = None,
+    only: dict[str, str] | None = None,
 ) -> list[str]:
-    """One benchmark run several times: per row (identified by its ``keys`` columns), ``column``'s median over
-    the runs with its range and spread ((max - min) / median); with ``over`` = (key, value), also the row's
-    ``column`` over that of the row of the same run that has ``value`` for ``key`` and the same other keys (each
-    run's ratio, then their median, range and spread). A ``met`` column, where the CSV has one, is counted."""
+    """One benchmark run several times: per row (identified by its ``keys`` columns; with ``only``, the rows whose
+    columns have those values), ``column``'s median over the runs with its range and spread ((max - min) / median);
+    with ``over`` = (key, value), also the row's ``column`` over that of the row of the same run that has ``value``
+    for ``key`` and the same other columns (each run's ratio, then their median, range and spread). A ``met``
+    column, where the CSV has one, is counted."""
+    only = only or {}
+    runs = [[r for r in run if all(str(r.get(k)) == v for k, v in only.items())] for run in runs]
 
     def identity(row):
         return tuple(str(row[k]) for k in keys)
 
     def spread_cell(values: list[float], unit: str = "") -> str:
         middle = statistics.median(values)
-        form = "{:.2f}" if unit == "x" else "{:,.0f}" if abs(middle) >= 100 else "{:.3g}"
+        is_ratio = unit == "x" or "_over_" in column
+        form = "{:.2f}" if is_ratio else "{:,.0f}" if abs(middle) >= 100 else "{:.3g}"
         shown = [form.format(v) for v in (middle, min(values), max(values))]
         return f"{shown[0]}{unit} ({shown[1]}-{shown[2]}{unit}), {100 * (max(values) - min(values)) / middle:.0f}%"
 
