@@ -19,7 +19,6 @@ Kinds (``lrpe_hf/training/tables.py`` renders them):
 - ``columns LABEL=CSV:METRIC ...``: several sweeps side by side (LABEL's underscores become spaces);
 - ``linearization CSV``: accuracy recovered by linearized students (``benchmarks/linearization_quality.py``);
 - ``floors CSV``: each attention layer over its own projections (``benchmarks/benchmark_attention.py``);
-- ``models CSV TASK COLUMN``: one task of ``benchmarks/benchmark_models.py``, each model over GPT-2's;
 - ``rows CSV COLUMN ...``: the CSV's rows as they are, those columns;
 - ``repeats FOLDER CSV KEYS COLUMN [KEY=VALUE] [KEY==VALUE ...]``: one benchmark run several times
   (``FOLDER/run_*/CSV``): per row (KEYS: its identifying columns, comma-separated; KEY==VALUE: only the rows with
@@ -82,9 +81,6 @@ def build(spec: str) -> list[str]:
         return tables.linearization_table(read(*args))
     if kind == "floors":
         return tables.attention_floors_table(read(*args))
-    if kind == "models":
-        name, task, column = args
-        return tables.models_table(read(name), task, column)
     if kind == "repeats":
         folder, name, keys, column, *options = args
         runs = [read(str(path.relative_to(DATA))) for path in sorted((DATA / folder).glob(f"run_*/{name}"))]

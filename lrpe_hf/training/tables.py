@@ -217,21 +217,6 @@ def attention_floors_table(rows: list[dict]) -> list[str]:
     return markdown(header, body)
 
 
-def models_table(rows: list[dict], task: str, column: str, reference: str = "gpt2-sdpa") -> list[str]:
-    """``benchmark_models.py``'s rows of one task: ``column`` per model and length, and over ``reference``'s at
-    the same length (where it ran)."""
-    chosen = [r for r in rows if r["task"] == task and number(r.get(column)) is not None]
-    header = ["model", "tokens", column.replace("_", " "), f"over {reference}"]
-    body = []
-    for row in chosen:
-        base = next((r for r in chosen if r["model"] == reference and r["tokens"] == row["tokens"]), None)
-        ratio = f"{number(row[column]) / number(base[column]):.2f}x" if base else "-"
-        value = number(row[column])
-        shown = f"{value:,.0f}" if value >= 100 else f"{value:.3g}"
-        body.append([row["model"], f"{int(row['tokens']):,}", shown, ratio])
-    return markdown(header, body)
-
-
 def repeats_table(
     runs: list[list[dict]],
     keys: list[str],
