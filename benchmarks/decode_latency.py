@@ -1,10 +1,10 @@
 """Eager decoding against GPT-2 at a short context, decided by paired rounds in one process.
 
 Is one LinearGPT decoding step as fast as GPT-2's (SDPA) at 256 context? At this size a step takes a few
-milliseconds and a shared machine moves absolute times by 10-30% between runs, so models timed one after another
-(``benchmark_models.py``) do not decide it. Here every model lives in this one process (the same size as
-``benchmark_models.py``: 6 x 512, 8 heads, FFN 2,048, vocabulary 8,192; batch 1, fp32, eval mode, no gradient), and
-each round times every model in turn (the order rotating from round to round):
+milliseconds, and models timed one after another in processes of their own (``benchmark_models.py``) do not decide
+it: their decoding ratios to GPT-2 moved by 34-128% over ten runs (docs/performance.md). Here every model lives in
+this one process (the same size as ``benchmark_models.py``: 6 x 512, 8 heads, FFN 2,048, vocabulary 8,192; batch 1,
+fp32, eval mode, no gradient), and each round times every model in turn (the order rotating from round to round):
 
 - untimed: the model's weights moved to fresh memory (where the allocator puts a weight moves a one-row product's
   time, and runs that kept one placement disagreed with each other beyond their own intervals: each round now

@@ -354,7 +354,8 @@ def main():
     write_csv(out / "predictions.csv", None, predictions)
     write_csv(out / "short_text.csv", None, short_text)
     write_csv(out / "costs.csv", None, cost_rows)
-    write_csv(out / "costs_rounds.csv", None, cost_rounds)
+    if cost_rounds:  # none when every cost's child failed
+        write_csv(out / "costs_rounds.csv", None, cost_rounds)
     (out / "losses.json").write_text(json.dumps({f"{e}-seed{s}": v for (e, s), v in losses.items()}, indent=2))
     report = summary(means, comparisons, short_text, cost_rows)
     (out / "results.md").write_text("\n".join(report) + "\n")

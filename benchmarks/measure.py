@@ -18,11 +18,6 @@ from lrpe_hf.training.provenance import process_seconds, write_record
 from lrpe_hf.training.verdicts import paired_test
 
 
-def timed(fn, device, reps):
-    """Median of ``reps`` wall-clock runs after one warm-up, in milliseconds."""
-    return statistics.median(sample_alternately([fn], device, reps)[0])
-
-
 def medians_with_rounds(samples: dict[str, list[float]]) -> dict:
     """Each quantity's median round (milliseconds), and every round behind it under ``rounds``."""
     return {quantity: statistics.median(times) for quantity, times in samples.items()} | {"rounds": samples}

@@ -70,10 +70,12 @@ def test_a_config_refuses_a_misspelt_field_and_names_the_field(config_class, typ
 def test_a_config_keeps_the_fields_of_other_transformers_releases_and_saves_them(tmp_path):
     # Transformers' own keys from other releases and a user's own note are kept, as every Transformers config keeps
     # them; only names close to this library's fields are refused
-    config = lrpe_hf.LinearGPTConfig(tie_encoder_decoder=False, experiment="run 7")
+    # (GPT-2's layer_norm_epsilon and a ViT's in_channels lie close to fields of ours that other configs share)
+    config = lrpe_hf.LinearGPTConfig(tie_encoder_decoder=False, experiment="run 7", layer_norm_epsilon=1e-5)
     config.save_pretrained(tmp_path)
     loaded = lrpe_hf.LinearGPTConfig.from_pretrained(tmp_path)
-    assert (loaded.tie_encoder_decoder, loaded.experiment) == (False, "run 7")
+    assert (loaded.tie_encoder_decoder, loaded.experiment, loaded.layer_norm_epsilon) == (False, "run 7", 1e-5)
+    assert lrpe_hf.LinearViTConfig(in_channels=3).in_channels == 3
 
 
 def test_fastrpb_refuses_spans_beyond_max_positions():

@@ -7,7 +7,7 @@ built.
 """
 
 import difflib
-from dataclasses import field, fields, make_dataclass
+from dataclasses import field, make_dataclass
 
 from transformers import PreTrainedConfig
 
@@ -18,6 +18,10 @@ AttentionConfigFields = make_dataclass(
     [(name, option.type, field(default=option.default)) for name, _, option in AttentionOptions.config_fields()],
     kw_only=True,
 )
+
+
+# The config fields only this library has besides the attention options (the typo check matches these).
+OWN_FIELDS = ("positional_encoding", "absolute_position_embedding", "embedding_multiplier")
 
 
 class LinearAttentionConfig(PreTrainedConfig, AttentionConfigFields):
@@ -59,11 +63,11 @@ class LinearAttentionConfig(PreTrainedConfig, AttentionConfigFields):
 
     def _refuse_misspelt_fields(self, extra: dict):
         """A config keeps any other keyword as an attribute (as every Transformers config does: files saved by other
-        releases carry fields of their own), which nothing reads; one spelt almost like a field of this library's
-        (not Transformers' own, whose names change between releases) is a typo that would leave the field at its
-        default, so it is refused."""
-        transformers_fields = {f.name for f in fields(PreTrainedConfig)}
-        names = [f.name for f in fields(self) if f.name not in transformers_fields]
+        releases carry fields of their own), which nothing reads; one spelt almost like a field only this library has
+        (the attention options, ``positional_encoding``, ``absolute_position_embedding``, ``embedding_multiplier``;
+        not the sizes and token ids other Transformers configs name alike) is a typo that would leave the field at
+        its default, so it is refused."""
+        names = [name for name, _, _ in AttentionOptions.config_fields()] + list(OWN_FIELDS)
         for key in extra:
             close = difflib.get_close_matches(key, names, n=1, cutoff=0.85)
             if close:

@@ -3,9 +3,9 @@
 A decoding step multiplies one row per sequence by every projection's weight, a product that reads the whole weight
 to do little work, so its speed depends on how the weight is laid out. ``nn.Linear`` keeps its weight (out, in)
 row-major. On a CPU in float32, MKL reads the same weight stored column-major (the layout in which transformers'
-GPT-2 keeps its Conv1D weights) about 1.2x faster for one row (no differently for 16); in bfloat16 and float16
-column-major is slower (about 1.4x and 16x, for one row as for 16), and in float64 it is no faster for one row and
-slower for 16.
+GPT-2 keeps its Conv1D weights) about 1.2x faster for one row (about the same for 16); in bfloat16 and float16
+column-major is slower (about 1.4x and 16x, for one row as for 16), and in float64 it is at most a few percent
+faster for one row (one run decided 4%, another did not) and slower for 16.
 ``benchmarks/one_row_products.py`` measures this on the machine at hand (one CPU's MKL: another may differ).
 
 So a LinearGPT decoding step lays its stack's projection weights out for the device and dtype they are on:
