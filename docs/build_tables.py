@@ -86,8 +86,10 @@ def build(spec: str) -> list[str]:
         runs = [read(str(path.relative_to(DATA))) for path in sorted((DATA / folder).glob(f"run_*/{name}"))]
         if not runs:
             raise FileNotFoundError(f"A table names {folder}/run_*/{name}, which is not under docs/data/")
-        only = dict(option.split("==") for option in options if "==" in option)
-        over = [tuple(option.split("=")) for option in options if "==" not in option]
+        only = dict(option.partition("==")[::2] for option in options if "==" in option)
+        over = [tuple(option.partition("=")[::2]) for option in options if "==" not in option]
+        if len(over) > 1:
+            raise ValueError(f"'<!-- table: {spec} -->' names more than one KEY=VALUE reference")
         return tables.repeats_table(runs, keys.split(","), column, over[0] if over else None, only)
     if kind == "rows":
         name, *columns = args

@@ -148,8 +148,13 @@ def test_repeats_table_gives_each_rows_median_range_and_each_runs_own_ratio():
     assert table[3] == "| rope | 3 | 12 (12-22), 83% | 1.20x (1.10-1.50x), 33% | 2 of 3 |"
     only_rope = tables.repeats_table(runs, ["encoding"], "ms", only={"encoding": "rope"})
     assert only_rope[2:] == ["| rope | 3 | 12 (12-22), 83% | 2 of 3 |"]
-    with pytest.raises(ValueError, match="no ms for rope"):
-        tables.repeats_table([*runs, run(10, "", True)], ["encoding"], "ms")
+    for failed in ([*runs, run(10, "", True)], [run(10, "", True), *runs]):  # a failure in any run, first or later
+        with pytest.raises(ValueError, match="no ms for rope"):
+            tables.repeats_table(failed, ["encoding"], "ms")
+    with pytest.raises(ValueError, match="do not tell the rows of a run apart"):
+        tables.repeats_table([run(10, 12, True) + run(11, 13, True)], ["encoding"], "ms")
+    with pytest.raises(ValueError, match="has no rows with"):
+        tables.repeats_table(runs, ["encoding"], "ms", only={"encoding": "alibi"})
     with pytest.raises(FileNotFoundError, match="not under docs/data"):
         build_tables.build("repeats benchmarks/nowhere results.csv name forward_ms")
 

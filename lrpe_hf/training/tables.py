@@ -242,7 +242,12 @@ def repeats_table(
         shown = [form.format(v) for v in (middle, min(values), max(values))]
         return f"{shown[0]}{unit} ({shown[1]}-{shown[2]}{unit}), {100 * (max(values) - min(values)) / middle:.0f}%"
 
-    order = list(dict.fromkeys(identity(r) for r in runs[0] if number(r.get(column)) is not None))
+    if not all(runs):
+        raise ValueError(f"A run of the repeats has no rows{' with ' + str(only) if only else ''}")
+    for run in runs:
+        if len({identity(r) for r in run}) != len(run):
+            raise ValueError(f"The columns {', '.join(keys)} do not tell the rows of a run apart")
+    order = list(dict.fromkeys(identity(r) for run in runs for r in run if number(r.get(column)) is not None))
     values, ratios, met = {key: [] for key in order}, {key: [] for key in order}, {key: 0 for key in order}
     for run in runs:
         by_identity = {identity(r): r for r in run}
