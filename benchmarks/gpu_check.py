@@ -21,7 +21,9 @@ parts (a result does not depend on the tiling); ``--full-autotune`` keeps fla's 
    backward). A case that kills its process is recorded and the next one starts in a new process.
 0. ``overhead_syncs.csv``, ``overhead_top_ops.csv``: a LinearGPT bf16 train step at 4k for none, lrpe_orthogonal
    and permute: every host synchronisation our code asks for (CUDA's sync debug mode, by source line) and the
-   profiler's top ops by CPU time. The first H100 run's steps took about as long at 2k tokens as at 8k, and the
+   profiler's top ops by CPU time; ``overhead_counted_reads.csv``: the host reads ``host_reads.HostReads`` counts in
+   the same step (the CPU's stand-in, which tests/test_host_reads.py holds at none inside the layers), to set beside
+   CUDA's own count. The first H100 run's steps took about as long at 2k tokens as at 8k, and the
    linear product alone 2.4 ms at 4k against fla's 0.47 ms: fixed costs on the host, which this part locates.
 1. ``benchmarks/benchmark_attention.py`` (bf16, causal, 4k/16k/32k, none, rope, lrpe_orthogonal, permute, fastrpb,
    spe_sine): each layer against its projections, fla's kernel alone and SDPA's softmax layer.
@@ -336,9 +338,10 @@ def part_overhead(out: Path, s: dict):
     totals."""
     import warnings
 
+    from host_reads import HostReads
     from torch.profiler import ProfilerActivity, profile
 
-    device, syncs, top = s["device"], [], []
+    device, syncs, top, counted_reads = s["device"], [], [], []
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(3, 512, (1, s["overhead_tokens"]), generator=generator).to(device)
     activities = [ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * (device == "cuda")
@@ -359,6 +362,13 @@ def part_overhead(out: Path, s: dict):
                 place = f"{Path(warning.filename).name}:{warning.lineno}"
                 places[place] = places.get(place, 0) + 1
         syncs += [dict(encoding=encoding, place=place, count=count) for place, count in places.items()]
+        # the CPU's stand-in for the same step (benchmarks/host_reads.py): what tests/test_host_reads.py predicts
+        with HostReads().watch(model) as reads:
+            train_step(model, dict(input_ids=ids, labels=ids), torch.bfloat16, device)
+        counted_reads += [
+            dict(encoding=encoding, op=op, place=where, inside_layers=inside, count=count)
+            for (op, where, inside), count in reads.reads.items()
+        ]
         with profile(activities=activities) as profiler:
             train_step(model, dict(input_ids=ids, labels=ids), torch.bfloat16, device)
             if device == "cuda":
@@ -374,6 +384,7 @@ def part_overhead(out: Path, s: dict):
         print(f"{encoding}: {sum(places.values())} host syncs at {places}", flush=True)
     write_csv(out / "overhead_syncs.csv", syncs or [dict(encoding="", place="none found", count=0)])
     write_csv(out / "overhead_top_ops.csv", top)
+    write_csv(out / "overhead_counted_reads.csv", counted_reads or [dict(encoding="", op="none found", count=0)])
 
 
 def rows_from_log(log: Path) -> list[dict]:

@@ -85,7 +85,7 @@ def test_fastrpb_refuses_spans_beyond_max_positions():
         layer(torch.randn(1, 9, 16))
     compiled = torch.compile(layer, backend="eager")
     assert compiled(torch.randn(1, 8, 16)).shape == (1, 8, 16)
-    with pytest.raises(RuntimeError, match="relative distances below 8"):
+    with pytest.raises(RuntimeError, match="relative distances below max_positions=8"):
         compiled(torch.randn(1, 9, 16))
 
 

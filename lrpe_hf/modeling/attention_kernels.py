@@ -18,7 +18,6 @@ Shapes: B batch, H heads, N tokens, m feature dim, dv value dim.
 """
 
 import torch
-from torch.nn import functional as F
 
 from .gradients import wants_gradient
 from .products_custom_op import compiled_causal_product
@@ -27,17 +26,22 @@ from .products_shared import divide_rows, product_dtype
 from .products_triton import on_kernel_device
 
 
-def bidirectional_linear_attention(q, k, v, documents=None, with_denominator=False):
-    """q, k (B, H, N, m); v (B, H, N, dv); documents (B, N) long document index per token, or None. Returns out
-    (B, H, N, dv) and, ``with_denominator``, the denominator sum_t q_s . k_t (B, H, N, 1), else None."""
+def bidirectional_linear_attention(q, k, v, documents=None, with_denominator=False, num_documents=None):
+    """q, k (B, H, N, m); v (B, H, N, dv); documents (B, N) long document index per token, counted from each row's
+    first, or None; ``num_documents``: more than any row's last index, where the caller knows it (else read on the
+    host). Returns out (B, H, N, dv) and, ``with_denominator``, the denominator sum_t q_s . k_t (B, H, N, 1), else
+    None."""
     if documents is None:
         out = q @ (k.transpose(-1, -2) @ v)
         return out, (q @ k.sum(-2).unsqueeze(-1)) if with_denominator else None
     if with_denominator:
-        out, _ = bidirectional_linear_attention(q, k, torch.cat([v, torch.ones_like(v[..., :1])], dim=-1), documents)
+        ones = torch.ones_like(v[..., :1])
+        out, _ = bidirectional_linear_attention(q, k, torch.cat([v, ones], dim=-1), documents, False, num_documents)
         return out[..., :-1], out[..., -1:]
-    first = documents[:, :1]
-    one_hot = F.one_hot(documents - first, int((documents - first).max()) + 1).to(k.dtype)  # (B, N, D)
+    documents = documents - documents[:, :1]
+    num_documents = num_documents or int(documents.max()) + 1
+    labels = torch.arange(num_documents, device=documents.device)
+    one_hot = (documents[..., None] == labels).to(k.dtype)  # (B, N, D); F.one_hot would check its input on the host
     per_document = torch.einsum("bnd,bhnm,bhne->bhdme", one_hot, k, v)  # (B, H, D, m, dv)
     out = q[:, :, None] @ per_document  # (B, H, D, N, dv)
     return torch.einsum("bhdne,bnd->bhne", out, one_hot), None
@@ -75,8 +79,9 @@ def causal_linear_attention(
     state over ``initial_state`` (a decoding cache's stored state, overwritten with it anyway).
 
     ``known_decay`` (H,): where the caller knows that ``log_gates`` hold this log decay per head at every token that
-    counts (a decay by distance over default positions without padding), ``uniform_decay`` takes it without
-    looking at the gates (on a GPU, a host sync per call).
+    counts (a decay by distance over default positions without padding), the product applies it as one decay per
+    head (``uniform_decay``); without it the gates are taken as per-token gates, never looked at (on a GPU a look
+    would be a host sync per call).
 
     ``final_state`` False: the caller keeps no final state (a call with no cache to continue); it is returned as
     None, and fla's path neither makes it (nor its key sums) nor is handed zeros for its gradient.

@@ -27,6 +27,7 @@ class LinearAttentionCache(Cache):
         super().__init__(layers=[])
         self.states = [LinearAttentionState() for _ in range(num_layers)]
         self.token_count = None  # () long tensor on the model's device, from the first call on
+        self.host_count = 0  # the same count as a Python number, kept by eager calls; None once a compiled step counted
 
     def __len__(self):
         return len(self.states)
@@ -42,6 +43,10 @@ class LinearAttentionCache(Cache):
             if not torch.compiler.is_compiling():
                 torch._dynamo.mark_static_address(self.token_count)
         self.token_count.add_(num_tokens)
+        if torch.compiler.is_compiling():  # the graph adds on the device only: the host's count is stale from here
+            self.host_count = None
+        elif self.host_count is not None:
+            self.host_count += num_tokens
 
     def count(self, positions: torch.Tensor, mask: torch.Tensor | None, documents: torch.Tensor):
         """Advance the layers' token counters past a call's tokens (positions (B, N, 1), mask (B, N) bool or None,
@@ -54,7 +59,10 @@ class LinearAttentionCache(Cache):
 
     @property
     def seen_tokens(self) -> int:
-        """The tokens the cache has seen, padding included (a read from the device)."""
+        """The tokens the cache has seen, padding included: counted on the host by eager calls, read from the device
+        (a sync) only after a compiled step has counted."""
+        if self.host_count is not None:
+            return self.host_count
         return 0 if self.token_count is None else int(self.token_count)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -72,7 +80,7 @@ class LinearAttentionCache(Cache):
 
     def reset(self):
         self.states = [LinearAttentionState() for _ in self.states]
-        self.token_count = None
+        self.token_count, self.host_count = None, 0
 
     def reorder_cache(self, beam_idx: torch.LongTensor):
         for state in self.states:

@@ -28,6 +28,7 @@ from .attention_state import TensorState
 from .context_parallel import active_group, bidirectional_product, causal_product
 from .feature_maps import FEW_ELEMENTS, FeatureMap, Features
 from .gradients import wants_gradient
+from .positions import document_count
 from .products_chunked import causal_key_sums
 from .products_shared import divide_rows, row_dot
 from .products_triton import on_kernel_device
@@ -166,7 +167,8 @@ class KernelAttention(nn.Module):
                 in_place, known_decay, final_state=state is not None,
             )  # fmt: skip
         else:
-            out, denominator = bidirectional_linear_attention(tq, tk, v, local_documents, with_denominator)
+            count = None if starts is None else document_count(starts)
+            out, denominator = bidirectional_linear_attention(tq, tk, v, local_documents, with_denominator, count)
             kv = None
         if state is not None:
             state.store("kv", kv)
@@ -277,7 +279,8 @@ class KernelAttention(nn.Module):
             return denominator
         if not self.causal:
             documents = None if starts is None else starts.long().cumsum(-1)
-            return bidirectional_linear_attention(fq, fk, torch.ones_like(fk[..., :1]), documents)[0]
+            count = None if starts is None else document_count(starts)
+            return bidirectional_linear_attention(fq, fk, torch.ones_like(fk[..., :1]), documents, False, count)[0]
         previous = state.key_sum if state is not None else None
         if gates is None and starts is None:
             denominator, key_sum = causal_key_sums(fq, fk, previous, self.chunk_size, in_place, state is not None)

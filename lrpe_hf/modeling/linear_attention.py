@@ -201,6 +201,8 @@ class LinearAttention(nn.Module):
             self.redraw_random_features()
         if shared_draw is None and self.shared_codes is not None:
             shared_draw = self.shared_codes.draw(hidden_states.device)
+            if position_ids is None and state is None and cp is None and self.options.position_dims == 1:
+                shared_draw.default_positions = (N, mask is None)  # counted from 0 here (``positions``)
         projected_qkv = (self.q_proj, self.k_proj) + ((self.v_proj,) if values is None else ())
         projections = project(projected_qkv, hidden_states, keep_views=self.positional_encoding.keeps_query_key)
         q, k = (self.split_heads(x) for x in projections[:2])

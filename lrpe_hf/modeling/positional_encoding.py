@@ -104,21 +104,14 @@ def token_blocks(num_tokens: int, elements_per_token: int, block_elements: int) 
     return [slice(start, min(start + step, num_tokens)) for start in range(0, num_tokens, step)]
 
 
-SAME_ROWS = KeptForInput()  # whether the rows of the last positions are the same: looked at once for all layers
-
-
 def distinct_rows(positions: torch.Tensor) -> torch.Tensor:
-    """``positions[:1]`` when every batch row holds the same positions (the usual case), else ``positions``:
-    position tables are then built once and broadcast over the batch. Rows expanded from one (a model's default
-    positions without padding) are the same without a look at them; other rows are compared once per positions
-    tensor, for every layer and both directions (``SAME_ROWS``: on a GPU each look is a read on the host, a sync).
-    Compiled, always ``positions``."""
-    if positions.shape[0] == 1 or torch.compiler.is_compiling():  # compiled: no data-dependent branch
-        return positions
-    if positions.stride(0) == 0:
+    """``positions[:1]`` when the batch rows are one row expanded (a model's default positions without padding, or
+    positions given as one row for every row), else ``positions``: position tables are then built once and broadcast
+    over the batch. Known from the tensor's strides alone: rows that merely hold the same values are not compared,
+    since on a GPU the comparison would be a read on the host (a sync) in every layer."""
+    if positions.shape[0] > 1 and positions.stride(0) == 0:
         return positions[:1]
-    same = SAME_ROWS.get(positions, "same rows", lambda: bool((positions == positions[:1]).all()))
-    return positions[:1] if same else positions
+    return positions
 
 
 def turn_rates(frequencies: torch.Tensor) -> torch.Tensor:

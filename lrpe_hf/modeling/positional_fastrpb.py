@@ -16,6 +16,7 @@ from torch.nn import functional as F
 
 from .positional_encoding import PositionalEncoding, token_blocks
 from .positional_spe import fast_fft_size
+from .positions import check_values
 
 
 def toeplitz_apply(lag_weights: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -123,12 +124,12 @@ class FastRelativePositionBias(PositionalEncoding):
             )
 
     def check_lags(self, lags: torch.Tensor):
-        """``check_span`` for a tensor of lags; compiled, the same check without reading a number back."""
-        if torch.compiler.is_compiling():
-            covered = (lags.abs() < self.max_positions).all()
-            torch._assert_async(covered, f"fastrpb learns biases for relative distances below {self.max_positions}")
-        else:
-            self.check_span(int(lags.abs().max()) + 1)
+        """``check_span`` for a tensor of lags, on the device where a read would wait for it (``check_values``)."""
+        check_values(
+            lags.abs() < self.max_positions,
+            f"fastrpb learns biases for relative distances below max_positions={self.max_positions}, but these "
+            "positions span more; use shorter inputs or a model with a larger max_positions",
+        )
 
     def value_bias(self, values, key_positions, query_positions, causal, key_documents=None, query_documents=None):
         """values (B, H, T, d), zero where padded; key_positions (B, T, A); query_positions (B, N, A); the
@@ -139,14 +140,15 @@ class FastRelativePositionBias(PositionalEncoding):
         if key_documents is None:
             return self.fft(values, key_positions, query_positions, causal)
         # lay the documents out far apart: no learned lag reaches across (each one's span is checked)
-        key_positions, query_positions = self.separate_documents(
+        key_positions, query_positions, span = self.separate_documents(
             key_positions, query_positions, key_documents, query_documents
         )
-        return self.fft(values, key_positions, query_positions, causal, check=False)
+        return self.fft(values, key_positions, query_positions, causal, span)
 
     def separate_documents(self, key_positions, query_positions, key_documents, query_documents):
         """1D positions (B, T, 1), (B, N, 1) moved so that documents are max_positions apart: document j of a
-        row starts at j * (longest document span + max_positions)."""
+        row starts at j * (longest document span + max_positions). Returns them and the span they cover. The
+        documents' count and spans are read on the host (two reads a layer, packed rows of over 512 tokens only)."""
         positions = torch.cat([key_positions[..., 0], query_positions[..., 0]], dim=1)
         documents = torch.cat([key_documents, query_documents], dim=1)
         documents = documents - documents.amin(1, keepdim=True)
@@ -158,29 +160,27 @@ class FastRelativePositionBias(PositionalEncoding):
         span = int((high - low).clamp_min(0).max()) + 1
         self.check_span(span)
         moved = positions - low.gather(1, documents) + documents * (span + self.max_positions)
-        return moved[:, : key_positions.shape[1], None], moved[:, key_positions.shape[1] :, None]
+        total = (count - 1) * (span + self.max_positions) + span
+        return moved[:, : key_positions.shape[1], None], moved[:, key_positions.shape[1] :, None], total
 
-    def fft(self, values, key_positions, query_positions, causal, check=True):
+    def fft(self, values, key_positions, query_positions, causal, span=None):
+        """The product by FFT over position bins: each key's value goes to the bin of its position less the row's
+        lowest, and each query reads its own bin. The bins span the table's reach (``max_positions``, from the
+        config), which any valid input's positions fit in (checked on the device), so that no span is read back to
+        size them; ``span``: a larger one the caller has measured (documents laid apart)."""
         B, H, T, d = values.shape
+        span = span or self.max_positions
         out = 0
         for axis in range(key_positions.shape[-1]):
             keys, queries = key_positions[..., axis], query_positions[..., axis]
             lo = torch.minimum(keys.amin(1), queries.amin(1))  # (B,)
-            span = int(torch.maximum(keys.amax(1), queries.amax(1)).sub(lo).max()) + 1
-            if check:
-                self.check_span(span)
             key_bins, query_bins = keys - lo[:, None], queries - lo[:, None]
-            contiguous = span == T and bool((key_bins == torch.arange(T, device=keys.device)).all())
-            if contiguous:  # one token per position, in order: the values are their own bins
-                bins = values
-            else:
-                bins = values.new_zeros(B, H, span, d)
-                bins.scatter_add_(2, key_bins[:, None, :, None].expand(B, H, T, d), values)
+            if span == self.max_positions:
+                self.check_lags(torch.maximum(key_bins.amax(1), query_bins.amax(1)))
+            bins = values.new_zeros(B, H, span, d)
+            bins.scatter_add_(2, key_bins[:, None, :, None].expand(B, H, T, d), values)
             mixed = toeplitz_apply(self.lag_weights(axis, span, causal), bins)
-            if contiguous and torch.equal(query_bins, key_bins):
-                out = out + mixed
-            else:
-                out = out + mixed.gather(2, query_bins[:, None, :, None].expand(B, H, queries.shape[1], d))
+            out = out + mixed.gather(2, query_bins[:, None, :, None].expand(B, H, queries.shape[1], d))
         return out
 
     def dense(self, values, key_positions, query_positions, causal, key_documents=None, query_documents=None):

@@ -88,7 +88,7 @@ class CyclicPermutations(Reinitialisable):
         the whole input (at 32k tokens they would be 134 MB, built from as many temporaries). Outputs are stored
         heads-first."""
         rows = distinct_rows(positions)
-        if inverse:  # negated after the look at the rows, which every layer's positions share (``distinct_rows``)
+        if inverse:  # negated after ``distinct_rows``, which reads the rows' strides
             rows = -rows
         present = [x for x in tensors if x is not None]
         B, H, N, size = present[0].shape

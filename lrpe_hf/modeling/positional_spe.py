@@ -69,6 +69,10 @@ class SPEDraw:
         self.seeded = not codes.training
         self._tensors = {}
         self._tables = {}
+        self._ranges = []
+        # (N, in order) where the caller knows that the positions are its defaults counted from 0 in a call of N
+        # tokens (in order: one row 0..N-1, no padding); None where they must be read
+        self.default_positions = None
 
     def tables(self) -> list[torch.Tensor]:
         """The position tables built so far, in a fixed order."""
@@ -79,8 +83,7 @@ class SPEDraw:
         view = copy.copy(self)
         remaining = iter(tables)
         view._tables = {
-            name: [(rows, version, next(remaining)) for rows, version, _ in self._tables[name]]
-            for name in sorted(self._tables)
+            name: [(root, key, next(remaining)) for root, key, _ in self._tables[name]] for name in sorted(self._tables)
         }
         return view
 
@@ -104,21 +107,36 @@ class SPEDraw:
         return self._tensors[name]
 
     def cached(self, name: str, positions: torch.Tensor, build):
-        """``build()`` evaluated once per distinct positions tensor; identical batch rows are built once. Compiled,
-        built at every call (comparing positions is a data-dependent branch; the build is a function of positions
-        and of this draw, so every layer still reads the same values)."""
+        """``build()`` evaluated once per positions input; identical batch rows are built once. Each layer's
+        positions are its own view of the model's: they are the input built for when they view the same root tensor
+        the same way (shape, strides, offset) and the root is unchanged since (its version; an inference tensor has
+        none, and a draw lives for one forward pass). Values are never compared (on a GPU that would be a read on
+        the host in every layer). Compiled, built at every call (the compiler reads no versions; the build is a
+        function of positions and of this draw, so every layer still reads the same values)."""
         rows = distinct_rows(positions)
         if torch.compiler.is_compiling():
             return build(rows)
-        version = version_of(rows)
-        for cached_rows, cached_version, value in self._tables.get(name, []):
-            if cached_rows is rows and version is not None and cached_version == version:  # no host read
-                return value
-        for cached_rows, _, value in self._tables.get(name, []):
-            if cached_rows.shape == rows.shape and torch.equal(cached_rows, rows):
+        return self._kept(self._tables.setdefault(name, []), rows, build)
+
+    def position_range(self, positions: torch.Tensor) -> list[list[int]]:
+        """The lowest and highest position per axis, [[lo...], [hi...]]: read on the host once per positions input
+        (as ``cached`` tells them apart)."""
+
+        def read(rows):
+            return torch.stack([rows.amin(dim=(0, 1)), rows.amax(dim=(0, 1))]).tolist()
+
+        rows = distinct_rows(positions)
+        return read(rows) if torch.compiler.is_compiling() else self._kept(self._ranges, rows, read)
+
+    @staticmethod
+    def _kept(kept: list, rows: torch.Tensor, build):
+        root = rows if rows._base is None else rows._base
+        key = (version_of(root), tuple(rows.shape), rows.stride(), rows.storage_offset())
+        for kept_root, kept_key, value in kept:
+            if kept_root is root and kept_key == key:
                 return value
         value = build(rows)
-        self._tables.setdefault(name, []).append((rows, version, value))
+        kept.append((root, key, value))
         return value
 
     def grid(self, start: tuple, stop: tuple, channels: tuple) -> torch.Tensor:
@@ -427,9 +445,14 @@ class ConvSPECodes(SPECodes):
 
         def build(rows):
             L, A = self.kernel_size, self.position_dims
-            lo, hi = rows.amin(dim=(0, 1)), rows.amax(dim=(0, 1))
-            start = tuple(int(v) - L + 1 for v in lo)
-            stop = tuple(int(v) + 1 for v in hi)
+            if draw.default_positions is not None:  # the caller's defaults, 0..N-1: nothing to read
+                num_tokens, in_order = draw.default_positions
+                lo_values, hi_values = [0] * A, [num_tokens - 1] * A
+            else:  # the noise grid is sized by the positions' range: one read on the host per draw
+                lo_values, hi_values = draw.position_range(positions)
+                in_order = False
+            start = tuple(v - L + 1 for v in lo_values)
+            stop = tuple(v + 1 for v in hi_values)
             dtype = torch.promote_types(self.query_filters.dtype, torch.float32)
             noise = draw.grid(start, stop, (self.head_dim, self.num_realizations)).to(dtype)  # (*G, D, R)
             sizes = noise.shape[:A]
@@ -440,14 +463,10 @@ class ConvSPECodes(SPECodes):
             filter_f = filter_f.permute(0, *range(2, 2 + A), 1).unsqueeze(-1)  # (H, *F, D, 1)
             full = torch.fft.irfftn(noise_f[None] * filter_f, s=fft_sizes, dim=tuple(range(1, 1 + A)))
             grid = full[(slice(None),) + tuple(slice(L - 1, n) for n in sizes)]  # (H, *P, D, R): positions lo..hi
-            index = rows - lo
-            if (
-                A == 1
-                and index.shape[1] == grid.shape[1]
-                and bool((index[..., 0] == torch.arange(index.shape[1], device=index.device)).all())
-            ):
-                codes = grid[None]  # one row covering lo..hi in order: no gather
+            if in_order:  # one row 0..N-1: the grid itself
+                codes = grid[None]
             else:
+                index = rows - rows.new_tensor(lo_values)
                 codes = grid[(slice(None),) + tuple(index[..., a] for a in range(A))].transpose(0, 1)
             return codes.contiguous()  # once for every layer: their products fold (head, token) into one batch
 

@@ -3,6 +3,12 @@
 import torch
 from torch.nn import functional as F
 
+from .kept_tensors import KeptForInput
+
+# packed rows: how many documents a row holds at most, for each tensor of document starts (read once by the model, on
+# the host, with whether any token starts a document; the layers' bidirectional products take it from here)
+DOCUMENT_COUNTS = KeptForInput()
+
 
 def check_values(condition: torch.Tensor, message: str):
     """Raise ``ValueError(message)`` unless the bool tensor ``condition`` holds everywhere. Compiled or on a GPU, the
@@ -146,11 +152,17 @@ def packed_documents(positions, mask, state=None):
     real = mask if mask is not None else torch.ones_like(p, dtype=torch.bool)
     previous, has_previous = previous_real_positions(positions, mask, state)
     starts = real & has_previous & (p <= previous)
-    any_start = bool(starts.any())
+    any_start = document_count(starts) > 1
     if state is None:
         return (starts, starts.long().cumsum(-1)) if any_start else (None, None)
     base = state.document if state.document is not None else torch.zeros_like(p[:, 0])
     return (starts if any_start else None), base[:, None] + starts.long().cumsum(-1)
+
+
+def document_count(starts: torch.Tensor) -> int:
+    """The most documents a row holds: one more than its tokens that start one (starts (B, N) bool). Read on the
+    host once per starts tensor (``DOCUMENT_COUNTS``); the first read is the model's, when it finds the documents."""
+    return DOCUMENT_COUNTS.get(starts, "documents", lambda: int(starts.sum(-1).max()) + 1 if starts.numel() else 1)
 
 
 def previous_real_positions(positions, mask, state=None):

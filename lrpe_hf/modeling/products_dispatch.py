@@ -33,13 +33,11 @@ def eager_causal_product(
     """``attention_kernels.causal_linear_attention`` outside compiled graphs: the same arguments and results."""
     B, H, N, m = q.shape
     C, dtype = chunk_length(N, chunk_size), product_dtype(q, v)
-    # fla's kernels take per-token gates as they are, at about the cost of one decay per head: where they will run
-    # with them, no look at the gates (a read on the host) for one decay per head; the torch path's ungated product
-    # is much faster than its gated one, so there the look pays
+    # One decay per head (the torch path's ungated product, much faster than its gated one; no gated backward for
+    # fla) only where the caller knows it: looking at the gates would be a read on the host (a sync) per call
     gated_backward = log_gates is not None and wants_gradient(q, k, v, log_gates, initial_state)
     why_not = "the torch backend was chosen" if backend == "torch" else can_run(q, v, dtype, gated_backward)
-    look = why_not is not None or known_decay is not None
-    decay = uniform_decay(log_gates, initial_state, resets, known_decay) if N > 1 and look else None
+    decay = uniform_decay(log_gates, resets, known_decay) if N > 1 else None
     if why_not is not None and decay is not None and backend != "torch":  # one decay per head: no gated backward
         why_not = can_run(q, v, dtype, gated_backward=False)
     if backend == "triton" and why_not:
@@ -89,18 +87,13 @@ def eager_causal_product(
     return out, None, final if final_state else None
 
 
-def uniform_decay(log_gates, initial_state, resets, known=None):
-    """The log decay per head (H,) when ``log_gates`` (B, H, N) hold one value <= 0 per head at every token that
-    counts (the first one only with an initial state), as a decay by position over consecutive positions gives
-    (PermuteFormer's): the ungated chunked product then applies it itself, much faster than the general gated
-    product. None otherwise, and for gates that want a gradient. ``known`` (H,): that value where the caller
-    knows it, taken without the look at every gate (a read on the host)."""
-    if log_gates is None or resets is not None or (log_gates.requires_grad and torch.is_grad_enabled()):
+def uniform_decay(log_gates, resets, known=None):
+    """The log decay per head (H,) that ``log_gates`` (B, H, N) hold at every token that counts, where the caller
+    knows it (``known`` (H,): a decay by distance over default positions without padding, PermuteFormer's), for
+    gates that want no gradient and rows without resets; None otherwise. The gates themselves are never looked at
+    (on a GPU, a read on the host per call)."""
+    if known is None or log_gates is None or resets is not None:
         return None
-    if known is not None:
-        return known.to(log_gates.dtype)
-    counted = log_gates if initial_state is not None else log_gates[..., 1:]
-    per_head = counted[:1, :, :1]  # (1, H, 1)
-    if not bool(((counted == per_head) & (per_head <= 0)).all()):
+    if log_gates.requires_grad and torch.is_grad_enabled():
         return None
-    return per_head[0, :, 0]
+    return known.to(log_gates.dtype)

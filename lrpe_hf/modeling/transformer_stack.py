@@ -53,18 +53,21 @@ class LinearTransformerStack(nn.Module):
         positions = (position_ids[..., None] if position_ids.dim() == 2 else position_ids).expand(
             hidden_states.shape[0], -1, -1
         )  # (B, N, A)
+        consecutive = not given_positions and attention_mask is None and position_ids.dim() == 2
+        cp = active_group()
         shared_draw = None
         if self.shared_codes is not None:
             shared_draw = self.shared_codes.draw(hidden_states.device)
+            fresh = cache is None or not cache.is_initialized
+            if not given_positions and fresh and cp is None and positions.shape[-1] == 1:  # defaults from 0
+                shared_draw.default_positions = (positions.shape[1], consecutive)
             if hidden_states.shape[0]:  # an empty batch has no positions to prepare codes for
                 self.shared_codes.prepare(shared_draw, positions.long())
         # The shared tables go to every layer as positional tensors too, so that gradient checkpointing (reentrant
         # included) sees them as inputs of each layer.
         shared_tables = shared_draw.tables() if shared_draw is not None and hasattr(shared_draw, "tables") else []
         documents = None  # packed rows: found once for every layer (they all see the same tokens and positions)
-        consecutive = not given_positions and attention_mask is None and position_ids.dim() == 2
         counters = None  # context parallelism: the earlier ranks' position counters, gathered once for every layer
-        cp = active_group()
         if cp is not None and positions.shape[-1] == 1:
             B, N = positions.shape[:2]
             given = positions if given_positions else None
