@@ -349,6 +349,34 @@ def test_bidirectional_values_and_gradients_equal_the_quadratic_formula(with_den
         torch.testing.assert_close(got, want)
 
 
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("with_denominator", [False, True])
+def test_bidirectional_documents_equal_the_quadratic_formula_within_each_document(with_denominator, compiled):
+    """Packed rows: each query sums over the keys of its own document only. Eager, with the count of documents the
+    model reads; compiled, where nothing is read back, as two causal products (forward and reversed) less each
+    token's own term. Values and gradients against the masked quadratic formula."""
+    torch.manual_seed(0)
+    q, k = (torch.rand(2, 3, 23, 5, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    v = torch.randn(2, 3, 23, 6, dtype=torch.float64, requires_grad=True)
+    lengths = [[5, 1, 9, 8], [23]]  # a one-token document, and a row that is one document
+    documents = torch.stack([torch.repeat_interleave(torch.arange(len(row)), torch.tensor(row)) for row in
+                             [lengths[0], lengths[1]]]) + torch.tensor([[3], [0]])  # fmt: skip
+    if compiled:
+        attention = torch.compile(bidirectional_linear_attention, backend="aot_eager", fullgraph=True)
+        out, denominator = attention(q, k, v, documents, with_denominator)
+    else:
+        out, denominator = bidirectional_linear_attention(q, k, v, documents, with_denominator, num_documents=4)
+    if with_denominator:
+        out = torch.cat([out, denominator], dim=-1)
+    values = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1) if with_denominator else v
+    same_document = (documents[:, :, None] == documents[:, None, :])[:, None]
+    expected = ((q @ k.transpose(-1, -2)) * same_document) @ values
+    torch.testing.assert_close(out, expected)
+    grad = torch.randn_like(out)
+    for got, want in zip(torch.autograd.grad(out, (q, k, v), grad), torch.autograd.grad(expected, (q, k, v), grad)):
+        torch.testing.assert_close(got, want)
+
+
 @pytest.mark.parametrize("activation", ["gelu", "relu", "silu"])
 def test_mlp_that_recomputes_its_activation_has_the_plain_gradients(activation):
     torch.manual_seed(0)

@@ -39,12 +39,26 @@ def bidirectional_linear_attention(q, k, v, documents=None, with_denominator=Fal
         out, _ = bidirectional_linear_attention(q, k, torch.cat([v, ones], dim=-1), documents, False, num_documents)
         return out[..., :-1], out[..., -1:]
     documents = documents - documents[:, :1]
+    if num_documents is None and torch.compiler.is_compiling():  # a count would be read on the host: none needed
+        return documents_in_two_passes(q, k, v, documents), None
     num_documents = num_documents or int(documents.max()) + 1
     labels = torch.arange(num_documents, device=documents.device)
     one_hot = (documents[..., None] == labels).to(k.dtype)  # (B, N, D); F.one_hot would check its input on the host
     per_document = torch.einsum("bnd,bhnm,bhne->bhdme", one_hot, k, v)  # (B, H, D, m, dv)
     out = q[:, :, None] @ per_document  # (B, H, D, N, dv)
     return torch.einsum("bhdne,bnd->bhne", out, one_hot), None
+
+
+def documents_in_two_passes(q, k, v, documents):
+    """``bidirectional_linear_attention`` over documents (B, N) without their count: the causal product over each
+    document (t <= s), the same over the tokens reversed (t >= s), less the token itself (counted twice)."""
+    restarts = documents[:, 1:] != documents[:, :-1]  # (B, N - 1): token i + 1 starts a document
+    no_restart = restarts.new_zeros(restarts.shape[0], 1)
+    starts, reversed_starts = torch.cat([no_restart, restarts], 1), torch.cat([no_restart, restarts.flip(1)], 1)
+    forward = causal_linear_attention(q, k, v, resets=starts, final_state=False)[0]
+    flipped = (x.flip(2) for x in (q, k, v))
+    backward = causal_linear_attention(*flipped, resets=reversed_starts, final_state=False)[0].flip(2)
+    return forward + backward - (q * k).sum(-1, keepdim=True).to(v.dtype) * v
 
 
 def causal_linear_attention(

@@ -10,6 +10,11 @@ from dataclasses import dataclass, fields
 import torch
 
 
+def is_marked_static(tensor: torch.Tensor) -> bool:
+    """Whether ``torch._dynamo.mark_static_address`` marked ``tensor`` (it sets this attribute)."""
+    return getattr(tensor, "_dynamo_static_input_type", None) is not None
+
+
 class TensorState:
     """A dataclass of tensors (and nested states) whose batch rows can be selected or repeated together.
 
@@ -46,6 +51,18 @@ class TensorState:
             if not compiling:
                 torch._dynamo.mark_static_address(value)
             setattr(self, name, value)
+
+    def make_static(self):
+        """Give every tensor (recursively) an address of its own, marked static for compilers, where it is not marked
+        yet: see ``LinearAttentionCache.make_static``."""
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, torch.Tensor) and not is_marked_static(value):
+                value = value.clone()
+                torch._dynamo.mark_static_address(value)
+                setattr(self, f.name, value)
+            elif isinstance(value, TensorState):
+                value.make_static()
 
     def apply(self, fn):
         """Replace every tensor t (recursively) by fn(t)."""

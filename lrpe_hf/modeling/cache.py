@@ -17,7 +17,7 @@ positions' values.
 import torch
 from transformers.cache_utils import Cache
 
-from .attention_state import LinearAttentionState
+from .attention_state import LinearAttentionState, is_marked_static
 
 
 class LinearAttentionCache(Cache):
@@ -47,6 +47,25 @@ class LinearAttentionCache(Cache):
             self.host_count = None
         elif self.host_count is not None:
             self.host_count += num_tokens
+
+    def make_static(self):
+        """Every state tensor at an address of its own, marked static for compilers (``mark_static_address``), where
+        it is not marked yet. Tensors made inside a compiled call (a compiled prefill's states, counters made by a
+        compiled step) are that graph's outputs, which the compiler cannot mark from inside, and a CUDA graph may
+        hand their memory to a later replay; a compiled decoding step that writes them in place must find them as
+        static inputs, or CUDA-graph trees skip its graph ("mutated inputs"). ``generate`` calls this before every
+        step (outside the compiled forward); a decoding loop of one's own calls it after a compiled prefill. Not
+        while compiling."""
+        if torch.compiler.is_compiling():
+            return
+        if self.token_count is not None and not is_marked_static(self.token_count):
+            self.token_count = self.token_count.clone()
+            torch._dynamo.mark_static_address(self.token_count)
+        first = self.states[0]
+        for state in self.states:
+            state.make_static()
+            if state is not first:
+                state.share_counters(first)  # the layers' counters stay one set of tensors
 
     def count(self, positions: torch.Tensor, mask: torch.Tensor | None, documents: torch.Tensor):
         """Advance the layers' token counters past a call's tokens (positions (B, N, 1), mask (B, N) bool or None,

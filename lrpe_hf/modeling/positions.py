@@ -152,16 +152,20 @@ def packed_documents(positions, mask, state=None):
     real = mask if mask is not None else torch.ones_like(p, dtype=torch.bool)
     previous, has_previous = previous_real_positions(positions, mask, state)
     starts = real & has_previous & (p <= previous)
-    any_start = document_count(starts) > 1
+    count = document_count(starts)
+    any_start = count is None or count > 1
     if state is None:
         return (starts, starts.long().cumsum(-1)) if any_start else (None, None)
     base = state.document if state.document is not None else torch.zeros_like(p[:, 0])
     return (starts if any_start else None), base[:, None] + starts.long().cumsum(-1)
 
 
-def document_count(starts: torch.Tensor) -> int:
+def document_count(starts: torch.Tensor) -> int | None:
     """The most documents a row holds: one more than its tokens that start one (starts (B, N) bool). Read on the
-    host once per starts tensor (``DOCUMENT_COUNTS``); the first read is the model's, when it finds the documents."""
+    host once per starts tensor (``DOCUMENT_COUNTS``); the first read is the model's, when it finds the documents.
+    None while compiling, where nothing is read back (the products then take every row as packed)."""
+    if torch.compiler.is_compiling():
+        return None
     return DOCUMENT_COUNTS.get(starts, "documents", lambda: int(starts.sum(-1).max()) + 1 if starts.numel() else 1)
 
 
