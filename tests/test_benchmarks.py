@@ -351,3 +351,28 @@ def test_the_context_parallel_benchmark_counts_what_it_computes(tmp_path):
     with open(tmp_path / "traffic.csv") as f:
         (computed,) = list(csv.DictReader(f))
     assert int(computed["ours_bytes"]) == state + 8 * 64 * 4  # and the unrotated key sums where the encoding rotates
+
+
+def test_host_cost_benchmark_times_every_model_in_turn_and_counts_reads_and_ops(tmp_path):
+    """benchmarks/host_cost.py: each model's step over GPT-2's in the same rounds, its interval around the ratio, the
+    target met only where the whole interval lies at or below it, no host read in LinearGPT's steps, and the fla
+    path (its kernels stood in) counting other ops than the torch path."""
+    command = [sys.executable, str(BENCHMARKS / "host_cost.py"), "--encodings", "none", "permute", "--rounds", "2"]
+    command += ["--steps_per_round", "1", "--paths", "fla", "torch", "--out", str(tmp_path)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    with open(tmp_path / "host_cost.csv") as f:
+        rows = list(csv.DictReader(f))
+    models = ["gpt2-sdpa", "none+fla", "permute+fla", "none", "permute"]
+    assert [(r["step"], r["model"]) for r in rows] == [(step, m) for step in ("train", "decode") for m in models]
+    for row in rows:
+        assert row["rounds"] == "2" and row["mode"] == "eager"
+        if row["model"] != "gpt2-sdpa":
+            assert float(row["low"]) <= float(row["over_gpt2"]) <= float(row["high"])
+            assert row["met"] == str(float(row["high"]) <= float(row["target"]))
+            assert row["host_reads"] == "0"
+    ops = {(r["step"], r["model"]): int(r["ops"]) for r in rows}
+    assert ops[("train", "none+fla")] != ops[("train", "none")]
+    with open(tmp_path / "host_cost_rounds.csv") as f:
+        assert len(list(csv.DictReader(f))) == 2 * 2 * len(models)
+    assert (tmp_path / "host_cost.json").exists()

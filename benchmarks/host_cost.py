@@ -1,0 +1,197 @@
+"""The host's cost of a step: LinearGPT against GPT-2 at a size where a step's arithmetic is nil.
+
+On a GPU a small or medium model's step is paced by its host (Python, dispatch, launches, reads of values) when
+the host takes longer to queue the step's kernels than the device takes to run them: the first H100 run trained
+LinearGPT at 0.63x GPT-2's speed for that reason. On the CPU at tiny sizes (6 layers x 64, 4 heads of 16, FFN 256,
+vocabulary 512; 64 tokens, batch 1) a step's time is almost all that host work, so the ratio of two models' times
+here is the ratio of their host costs. Every model lives in this one process, and each round times every model in
+turn (the order rotating from round to round):
+
+- ``train``: forward, backward and an AdamW step (``foreach``) of the LM loss on one row, train mode;
+- ``decode``: one greedy step after a prompt of 64 tokens, batch 1, eval mode, no gradient.
+
+Each model's time over GPT-2's (SDPA) in the same round is one paired sample; over the rounds the geometric mean
+with its 95% interval and the verdict (``measure.time_ratio``). ``--compiled`` adds the same steps under
+``torch.compile`` (inductor; the whole train step's forward and backward, AdamW eager; the decoding forward), for
+GPT-2 and every encoding alike. Beside the times, per step of the model (forward and backward, the optimiser's
+step apart): the host reads (``host_reads.HostReads``, those a GPU would wait for: device-side checks not counted)
+and the ATen ops (``count_ops``'s counting rule, the whole model, CPU-sized blocks set to one block as on a GPU).
+
+Targets (the issue's): an eager train step within 1.1x GPT-2's host time for ``none`` and 1.3x for every encoding;
+an eager decoding step within 1.1x.
+
+Writes ``host_cost.csv``, every round in ``host_cost_rounds.csv`` and their record ``host_cost.json`` to ``--out``.
+
+    OMP_NUM_THREADS=1 python benchmarks/host_cost.py --out docs/data/benchmarks/host_cost
+"""
+
+import argparse
+import contextlib
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from count_ops import GPT2, build, fla_path, one_block, profile_ops, shape_kernels, tally
+from host_reads import HostReads
+from measure import time_ratio, write_table
+from transformers import DynamicCache
+
+from lrpe_hf import POSITIONAL_ENCODINGS, LinearAttentionCache
+from lrpe_hf.modeling.forward_arguments import CACHE_OUTPUT_FIELD
+
+SIZE = dict(layers=6, hidden=64, heads=4, ffn=256, vocab=512)
+TOKENS = 64  # a train step's tokens, and the prompt before a decoding step
+TARGETS = {("train", "none"): 1.1, ("train", "encodings"): 1.3, ("decode", "all"): 1.1}
+FIELDS = ["step", "mode", "model", "rounds", "ms", "over_gpt2", "low", "high", "verdict", "target", "met",
+          "host_reads", "ops"]  # fmt: skip
+
+
+class Stepper:
+    """One model and one kind of step (``train`` or ``decode``), eager or compiled: ``step()`` runs one."""
+
+    def __init__(self, name: str, task: str, compiled: bool):
+        self.name, self.task, self.compiled = name, task, compiled
+        self.on_fla = name.endswith("+fla")
+        self.model = build(name, SIZE["layers"], 2 * TOKENS + 64, SIZE)
+        generator = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(0, SIZE["vocab"], (1, TOKENS), generator=generator)
+        self.forward = torch.compile(self.model) if compiled else self.model
+        if task == "train":
+            self.model.train()
+            self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4, foreach=True)
+        else:
+            self.model.eval()
+            self.restart()
+
+    def restart(self):
+        """A fresh prompt in a fresh cache (decoding): each round decodes from the same context."""
+        cache = DynamicCache() if self.name == GPT2 else LinearAttentionCache(SIZE["layers"])
+        with torch.no_grad(), self.path():
+            out = self.model(input_ids=self.ids, use_cache=True, logits_to_keep=1, **{CACHE_OUTPUT_FIELD: cache})
+        self.cache, self.token = out[CACHE_OUTPUT_FIELD], out.logits[:, -1:].argmax(-1)
+
+    @contextlib.contextmanager
+    def path(self):
+        """The path a GPU takes: every input one block and, for ``+fla``, fla's kernels stood in by functions that
+        return results of the right shapes (``count_ops.shape_kernels``): the host's work around them is timed."""
+        with one_block(), fla_path(shape_kernels() if self.on_fla else None):
+            yield
+
+    def step(self):
+        with self.path():
+            self.model_step()
+            self.update()
+
+    def model_step(self, reads: HostReads | None = None):
+        """The model's forward (and backward, training); ``reads`` counts the backward's host reads too."""
+        if self.task == "train":
+            loss = self.forward(input_ids=self.ids, labels=self.ids, use_cache=False).loss
+            reads.backward(loss) if reads is not None else loss.backward()
+            return
+        with torch.no_grad():
+            out = self.forward(input_ids=self.token, use_cache=True, **{CACHE_OUTPUT_FIELD: self.cache})
+        self.token = out.logits[:, -1:].argmax(-1)
+
+    def update(self):
+        """Training: the AdamW step."""
+        if self.task == "train":
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+
+    def round_ms(self, steps: int) -> float:
+        """Milliseconds per step over ``steps`` steps (decoding: after a fresh prefill and one untimed step)."""
+        if self.task == "decode":
+            self.restart()
+            self.step()
+        with self.path():
+            start = time.perf_counter()
+            for _ in range(steps):
+                self.model_step()
+                self.update()
+            return 1000 * (time.perf_counter() - start) / steps
+
+    def counts(self) -> dict:
+        """The host reads and ATen ops of the model's forward and backward (eager; the optimiser's step apart)."""
+        with self.path():
+            with HostReads().watch(self.model) as reads:
+                self.model_step(reads)
+            self.update()
+            launches, _, _ = tally(profile_ops(self.model_step))
+            self.update()
+        found = reads.inside_layers() + reads.outside_layers()
+        return dict(host_reads=sum(found.values()), ops=launches)
+
+
+def target_of(task: str, name: str) -> float | None:
+    if name == GPT2:
+        return None
+    if task == "decode":
+        return TARGETS[("decode", "all")]
+    return TARGETS[("train", "none")] if name.partition("+")[0] == "none" else TARGETS[("train", "encodings")]
+
+
+def measure(task: str, names: list[str], compiled: bool, rounds: int, steps: int) -> tuple[list[dict], list[dict]]:
+    """Rows of the table and every timed round, for one kind of step and mode."""
+    torch.manual_seed(0)
+    steppers = [Stepper(name, task, compiled) for name in names]
+    for stepper in steppers:  # compiled: the graphs made before any round
+        for _ in range(3):
+            stepper.step()
+    counts = {s.name: s.counts() for s in steppers} if not compiled else {}
+    times = {s.name: [] for s in steppers}
+    for round_index in range(rounds + 1):
+        shift = round_index % len(steppers)
+        for stepper in steppers[shift:] + steppers[:shift]:
+            ms = stepper.round_ms(steps)
+            if round_index:
+                times[stepper.name].append(ms)
+    mode = "compiled" if compiled else "eager"
+    rows, timed = [], []
+    for name, samples in times.items():
+        ratio = time_ratio(samples, times[GPT2])
+        if name == GPT2:
+            ratio.update(low="", high="", verdict="-")
+        target = target_of(task, name) if not compiled else None
+        rows.append(dict(
+            step=task, mode=mode, model=name, rounds=len(samples), ms=round(statistics.median(samples), 3),
+            over_gpt2=ratio["ratio"], low=ratio["low"], high=ratio["high"], verdict=ratio["verdict"],
+            target=target or "", met="" if target is None else ratio["high"] <= target,
+            **counts.get(name, dict(host_reads="", ops="")),
+        ))  # fmt: skip
+        timed += [dict(step=task, mode=mode, model=name, round=i, ms=ms) for i, ms in enumerate(samples)]
+        print(rows[-1], flush=True)
+    return rows, timed
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--encodings", nargs="+", default=list(POSITIONAL_ENCODINGS), help="LinearGPT encodings")
+    parser.add_argument(
+        "--paths", nargs="+", default=["fla"], choices=["fla", "torch"],
+        help="the product's path: fla (a GPU's: fla's kernels stood in, the host's work around them timed) or torch",
+    )  # fmt: skip
+    parser.add_argument("--steps", nargs="+", default=["train", "decode"], choices=["train", "decode"])
+    parser.add_argument("--rounds", type=int, default=20, help="timed rounds (each model once per round)")
+    parser.add_argument("--steps_per_round", type=int, default=5, help="steps timed together in a round")
+    parser.add_argument("--compiled", action="store_true", help="also under torch.compile (inductor)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "host_cost")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.rounds < 2:
+        parser.error(f"--rounds must be at least 2 for an interval, got {args.rounds}")
+    suffixes = {"fla": "+fla", "torch": ""}
+    names = [GPT2, *[encoding + suffixes[path] for path in args.paths for encoding in args.encodings]]
+    rows, rounds = [], []
+    for compiled in [False, True] if args.compiled else [False]:
+        for task in args.steps:
+            new_rows, new_rounds = measure(task, names, compiled, args.rounds, args.steps_per_round)
+            rows += new_rows
+            rounds += new_rounds
+    write_table(args.out, "host_cost", FIELDS, rows, rounds)
+
+
+if __name__ == "__main__":
+    main()
