@@ -457,11 +457,12 @@ def stand_in_kernels(chunk_reference, step_reference):
 
 
 @contextlib.contextmanager
-def fla_path(kernels=None):
+def fla_path(kernels=None, stand_ins=None):
     """With ``kernels`` ((chunk, step) references), CPU tensors take the causal product's GPU path: the device test
     answers yes (``can_run``'s other reasons still count, on a GPU whose Triton runs fla's gated backward), and fla's
-    kernels are stand-ins computing with them."""
-    if kernels is None:
+    kernels are stand-ins computing with them (``stand_in_kernels``); ``stand_ins``: (chunked, one_step) with fla's
+    signatures, taken as they are instead."""
+    if kernels is None and stand_ins is None:
         yield
         return
     from lrpe_hf.modeling import products_triton
@@ -470,7 +471,7 @@ def fla_path(kernels=None):
     device_tests = [
         m for n, m in list(sys.modules.items()) if n.startswith("lrpe_hf.") and hasattr(m, "on_kernel_device")
     ]
-    stand_ins = stand_in_kernels(*kernels)
+    stand_ins = stand_ins or stand_in_kernels(*kernels)
     saved = [(module, "on_kernel_device", module.on_kernel_device) for module in device_tests]
     saved += [(products_triton, name, getattr(products_triton, name)) for name in ("load_fla", "gated_backward_fails")]
     for module in device_tests:

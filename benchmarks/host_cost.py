@@ -15,7 +15,8 @@ with its 95% interval and the verdict (``measure.time_ratio``). ``--compiled`` a
 ``torch.compile`` (inductor; the whole train step's forward and backward, AdamW eager; the decoding forward), for
 GPT-2 and every encoding alike. Beside the times, per step of the model (forward and backward, the optimiser's
 step apart): the host reads (``host_reads.HostReads``, those a GPU would wait for: device-side checks not counted)
-and the ATen ops (``count_ops``'s counting rule, the whole model, CPU-sized blocks set to one block as on a GPU).
+and the ATen ops (``count_ops``'s counting rule, CPU-sized blocks set to one block as on a GPU): the whole model's, and
+per layer (the 6-layer model's less the 1-layer model's, over 5).
 
 Targets (the issue's): an eager train step within 1.1x GPT-2's host time for ``none`` and 1.3x for every encoding;
 an eager decoding step within 1.1x.
@@ -44,16 +45,49 @@ SIZE = dict(layers=6, hidden=64, heads=4, ffn=256, vocab=512)
 TOKENS = 64  # a train step's tokens, and the prompt before a decoding step
 TARGETS = {("train", "none"): 1.1, ("train", "encodings"): 1.3, ("decode", "all"): 1.1}
 FIELDS = ["step", "mode", "model", "rounds", "ms", "over_gpt2", "low", "high", "verdict", "target", "met",
-          "host_reads", "ops"]  # fmt: skip
+          "host_reads", "ops", "ops_per_layer"]  # fmt: skip
+
+
+class EmptyKernel(torch.autograd.Function):
+    """fla's chunked or one-step kernel at its least host cost: results and gradients of the right shapes, not
+    computed. fla's own entry points are autograd Functions too, with more Python and 2-6 launches a call, so the
+    host time measured around this one is a lower bound of a GPU's."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, initial_state, output_final_state):
+        B, N, H, K = q.shape
+        ctx.inputs = [(x.shape, x.dtype) if x is not None else None for x in (q, k, v, initial_state)]
+        final = q.new_empty(B, H, K, v.shape[-1], dtype=torch.float32) if output_final_state else None
+        return v.new_empty(B, N, H, v.shape[-1]), final
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_final):
+        grads = [
+            grad_out.new_empty(x[0], dtype=x[1]) if x is not None and needed else None
+            for x, needed in zip(ctx.inputs, ctx.needs_input_grad)
+        ]
+        return (*grads, None)
+
+
+def empty_kernels():
+    """(chunked, one_step) with fla's signatures, each an ``EmptyKernel``, under ``torch.compiler.disable`` as fla's
+    entry points are."""
+
+    @torch.compiler.disable
+    def kernel(q, k, v, g=None, g_gamma=None, scale=None, initial_state=None, output_final_state=False, **kwargs):
+        return EmptyKernel.apply(q, k, v, initial_state, output_final_state)
+
+    return kernel, kernel
 
 
 class Stepper:
     """One model and one kind of step (``train`` or ``decode``), eager or compiled: ``step()`` runs one."""
 
-    def __init__(self, name: str, task: str, compiled: bool):
+    def __init__(self, name: str, task: str, compiled: bool, layers: int = SIZE["layers"]):
         self.name, self.task, self.compiled = name, task, compiled
         self.on_fla = name.endswith("+fla")
-        self.model = build(name, SIZE["layers"], 2 * TOKENS + 64, SIZE)
+        self.model = build(name, layers, 2 * TOKENS + 64, SIZE)
+        self.layers = layers
         generator = torch.Generator().manual_seed(0)
         self.ids = torch.randint(0, SIZE["vocab"], (1, TOKENS), generator=generator)
         self.forward = torch.compile(self.model) if compiled else self.model
@@ -66,16 +100,23 @@ class Stepper:
 
     def restart(self):
         """A fresh prompt in a fresh cache (decoding): each round decodes from the same context."""
-        cache = DynamicCache() if self.name == GPT2 else LinearAttentionCache(SIZE["layers"])
+        cache = DynamicCache() if self.name == GPT2 else LinearAttentionCache(self.layers)
         with torch.no_grad(), self.path():
             out = self.model(input_ids=self.ids, use_cache=True, logits_to_keep=1, **{CACHE_OUTPUT_FIELD: cache})
         self.cache, self.token = out[CACHE_OUTPUT_FIELD], out.logits[:, -1:].argmax(-1)
 
     @contextlib.contextmanager
-    def path(self):
-        """The path a GPU takes: every input one block and, for ``+fla``, fla's kernels stood in by functions that
-        return results of the right shapes (``count_ops.shape_kernels``): the host's work around them is timed."""
-        with one_block(), fla_path(shape_kernels() if self.on_fla else None):
+    def path(self, counting: bool = False):
+        """The path a GPU takes: every input one block and, for ``+fla``, fla's kernels stood in: timed, by the
+        cheapest functions with their results' shapes (``empty_kernels``); counting, by ``count_ops``'s stand-ins,
+        whose calls count as fla's launches."""
+        if not self.on_fla:
+            stand_ins = {}
+        elif counting:
+            stand_ins = {"kernels": shape_kernels()}
+        else:
+            stand_ins = {"stand_ins": empty_kernels()}
+        with one_block(), fla_path(**stand_ins):
             yield
 
     def step(self):
@@ -113,14 +154,19 @@ class Stepper:
 
     def counts(self) -> dict:
         """The host reads and ATen ops of the model's forward and backward (eager; the optimiser's step apart)."""
-        with self.path():
+        with self.path(counting=True):
             with HostReads().watch(self.model) as reads:
                 self.model_step(reads)
             self.update()
             launches, _, _ = tally(profile_ops(self.model_step))
             self.update()
         found = reads.inside_layers() + reads.outside_layers()
-        return dict(host_reads=sum(found.values()), ops=launches)
+        one_layer = Stepper(self.name, self.task, False, layers=1)
+        one_layer.step()  # what is made once
+        with one_layer.path(counting=True):
+            launches_of_one, _, _ = tally(profile_ops(one_layer.model_step))
+        per_layer = (launches - launches_of_one) / (self.layers - 1)
+        return dict(host_reads=sum(found.values()), ops=launches, ops_per_layer=per_layer)
 
 
 def target_of(task: str, name: str) -> float | None:
@@ -157,7 +203,7 @@ def measure(task: str, names: list[str], compiled: bool, rounds: int, steps: int
             step=task, mode=mode, model=name, rounds=len(samples), ms=round(statistics.median(samples), 3),
             over_gpt2=ratio["ratio"], low=ratio["low"], high=ratio["high"], verdict=ratio["verdict"],
             target=target or "", met="" if target is None else ratio["high"] <= target,
-            **counts.get(name, dict(host_reads="", ops="")),
+            **counts.get(name, dict(host_reads="", ops="", ops_per_layer="")),
         ))  # fmt: skip
         timed += [dict(step=task, mode=mode, model=name, round=i, ms=ms) for i, ms in enumerate(samples)]
         print(rows[-1], flush=True)

@@ -9,15 +9,13 @@ run the recurrence S_t = exp(g_t) S_{t-1} + k_t v_t^T, out_t = scale q_t S_t, ou
 - widths: every width handed to fla is even, by construction (``even_width``): fla's chunked backward asserts
   even key and value widths in half precision. An odd width gets a zero column (a zero key column adds nothing
   to q . k; a zero value column is dropped from the outputs and the states);
-- the denominator q_s . z_s, z_s = sum_{t<=s} exp(G_s - G_t) k_t: over several tokens, computed beside the
-  product, not as a ones column appended to the values (which made the value width dv + 1: odd for even heads,
-  and past the power-of-two value tiles of fla's chunked kernels, 65 columns for heads of 64). Ungated and
-  unpacked, z is the keys' prefix sums (``causal_key_sums``, the torch path's own, O(N m); fla's normalised linear
-  attention also divides by q . cumsum of the keys). With gates, whose running sum exp(G_s) sum_t exp(-G_t) k_t
-  overflows unless it is chunked, or packed documents, which prefix sums would meet by subtractions (imprecise late
-  in long rows), a second fla product of the queries and keys with a ones value (width 2 after padding), fla doing
-  the chunking and the resets. One decoding step keeps the ones column (padded to an even width): one launch of
-  the one-step kernel, which has no chunks or tiles to widen;
+- the denominator q_s . z_s, z_s = sum_{t<=s} exp(G_s - G_t) k_t, comes from the same call as the product: a ones
+  column appended to the values (and a zero column to an even width), so that every causal product is one call of
+  fla's kernels (2 launches forward, 4 backward), gated, decayed or packed alike. The price is in fla's value
+  tiles: 66 columns for heads of 64 take two tiles of 64 where 64 took one, so the kernels' value-side work doubles;
+  at GPT-2 small's shape that work is about 4 MFLOP a token against the rest of the model's 247, while the
+  alternatives cost a step in launches and host work: the keys' prefix sums beside the product (7 ops a layer with
+  their backward) or, with gates or documents, a second fla call of width 2;
 - packed documents (``resets``): each row, and each document inside a row, becomes one sequence of fla's
   ``cu_seqlens`` over the flattened batch; a row's initial state goes to its first document (unless that
   document starts the row afresh) and its final state comes from its last;
@@ -37,7 +35,6 @@ import torch
 from torch.nn import functional as F
 
 from .kept_tensors import kept_tensor
-from .products_chunked import causal_key_sums
 
 MAX_WIDTH = 256  # the widest queries and values fla's kernels take
 
@@ -151,18 +148,8 @@ def fla_causal_product(
     if not with_denominator:
         out, final = product(v, initial_state)
         return out, None, final
-    if q.shape[2] == 1:  # one step: a ones column in the values, one launch
-        out, final = product(with_ones_column(v), initial_state)
-        return out[..., :dv], out[..., dv : dv + 1], None if final is None else final[..., : dv + 1]
-    out, final = product(v, initial_state[..., :dv] if initial_state is not None else None)
-    key_sum = initial_state[..., dv:] if initial_state is not None else None
-    if log_gates is None and log_decay is None and resets is None:
-        denominator, key_final = causal_key_sums(q, k, key_sum, final_state=final_state)
-    else:
-        denominator, key_final = product(torch.ones_like(v[..., :1]), key_sum)
-    if final is None:
-        return out, denominator, None
-    return out, denominator, torch.cat([final, key_final.to(final.dtype)], dim=-1)
+    out, final = product(with_ones_column(v), initial_state)  # the denominator in the same call
+    return out[..., :dv], out[..., dv : dv + 1], None if final is None else final[..., : dv + 1]
 
 
 def fla_product(kernels, q, k, v, gates, initial_state, resets, m: int, final_state: bool = True):
