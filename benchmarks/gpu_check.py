@@ -23,8 +23,11 @@ parts (a result does not depend on the tiling); ``--full-autotune`` keeps fla's 
    and permute: every host synchronisation our code asks for (CUDA's sync debug mode, by source line) and the
    profiler's top ops by CPU time; ``overhead_counted_reads.csv``: the host reads ``host_reads.HostReads`` counts in
    the same step (the CPU's stand-in, which tests/test_host_reads.py holds at none inside the layers), to set beside
-   CUDA's own count. The first H100 run's steps took about as long at 2k tokens as at 8k, and the
-   linear product alone 2.4 ms at 4k against fla's 0.47 ms: fixed costs on the host, which this part locates.
+   CUDA's own count; ``overhead_summary.csv``: per encoding, the syncs CUDA saw beside the reads the CPU's count
+   predicts, the kernels a step launches, their device time, and the host's time to queue a step (wall time without a
+   sync inside: a step whose host time exceeds its device time is paced by its host). The first H100 run's steps
+   took about as long at 2k tokens as at 8k, and the linear product alone 2.4 ms at 4k against fla's 0.47 ms: fixed
+   costs on the host, which this part locates.
 1. ``benchmarks/benchmark_attention.py`` (bf16, causal, 4k/16k/32k, none, rope, lrpe_orthogonal, permute, fastrpb,
    spe_sine): each layer against its projections, fla's kernel alone and SDPA's softmax layer.
 2. ``benchmarks/benchmark_models.py`` (bf16): LinearGPT against GPT-2 (SDPA), training at 2k/8k/32k (GPT-2 up
@@ -341,7 +344,7 @@ def part_overhead(out: Path, s: dict):
     from host_reads import HostReads
     from torch.profiler import ProfilerActivity, profile
 
-    device, syncs, top, counted_reads = s["device"], [], [], []
+    device, syncs, top, counted_reads, summary = s["device"], [], [], [], []
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(3, 512, (1, s["overhead_tokens"]), generator=generator).to(device)
     activities = [ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * (device == "cuda")
@@ -374,6 +377,24 @@ def part_overhead(out: Path, s: dict):
             if device == "cuda":
                 torch.cuda.synchronize()
         events = profiler.key_averages()
+        kernels = [e for e in profiler.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        host_ms = []
+        for _ in range(3):  # the host's time to queue a step: wall time up to the last launch, no sync inside
+            if device == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            model.zero_grad(set_to_none=True)
+            with torch.autocast(device, dtype=torch.bfloat16):
+                model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+            host_ms.append(1000 * (time.perf_counter() - start))
+        if device == "cuda":
+            torch.cuda.synchronize()
+        summary.append(dict(
+            encoding=encoding, cuda_syncs=sum(places.values()), counted_reads=sum(reads.reads.values()),
+            counted_reads_inside_layers=sum(n for (_, _, inside), n in reads.reads.items() if inside),
+            kernels_per_step=len(kernels), device_ms_per_step=sum(e.device_time_total for e in kernels) / 1e3,
+            host_ms_per_step=min(host_ms),
+        ))  # fmt: skip
         for event in sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:25]:
             top.append(
                 dict(
@@ -385,6 +406,7 @@ def part_overhead(out: Path, s: dict):
     write_csv(out / "overhead_syncs.csv", syncs or [dict(encoding="", place="none found", count=0)])
     write_csv(out / "overhead_top_ops.csv", top)
     write_csv(out / "overhead_counted_reads.csv", counted_reads or [dict(encoding="", op="none found", count=0)])
+    write_csv(out / "overhead_summary.csv", summary)
 
 
 def rows_from_log(log: Path) -> list[dict]:

@@ -9,7 +9,9 @@ break and no host read: the recurrent states keep their shapes from step to step
 (``TensorState.store``), so they keep their addresses too, and the token count is a tensor the step adds to. A CUDA
 graph can then replay each step (``mode="reduce-overhead"``). What grows, FastRPB's history and the softmax
 baseline's keys, becomes a dynamic shape and a new address at each growth.
-``is_compileable`` stays False: with True, ``generate`` would build 4D masks for it and compile on its own on a
+A prefill run by a compiled forward makes the states inside its graph, where nothing can mark them static:
+``make_static`` gives them addresses of their own, marked, before the next step (``generate`` calls it before every
+step). ``is_compileable`` stays False: with True, ``generate`` would build 4D masks for it and compile on its own on a
 GPU, where this has not been measured. convSPE still breaks the graph: the noise it filters is read at the
 positions' values.
 """
