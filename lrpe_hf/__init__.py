@@ -1,5 +1,7 @@
 """lrpe-hf: linear-attention transformers with relative positional encodings for Hugging Face Transformers."""
 
+import importlib.metadata
+
 from .linearize import attention_transfer_loss, linearize
 from .linearize import transfer_parameters as linearize_transfer_parameters
 from .modeling.attention_options import ABSOLUTE_POSITION_EMBEDDINGS, AttentionOptions
@@ -42,7 +44,13 @@ from .registration import register_all
 
 register_all()
 
+try:
+    __version__ = importlib.metadata.version("lrpe-hf")
+except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
+    __version__ = "unknown"
+
 __all__ = [
+    "__version__",
     "ABSOLUTE_POSITION_EMBEDDINGS",
     "FEATURE_MAPS",
     "LRPE_P_MATRICES",

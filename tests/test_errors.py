@@ -102,6 +102,29 @@ def test_learned_absolute_positions_refuse_positions_beyond_their_table_eager_an
         compiled(torch.tensor([[-1, 3]]))
 
 
+@pytest.mark.parametrize("family", ["gpt", "roberta"])
+def test_position_ids_of_another_shape_are_refused_at_the_models_entry(family):
+    """A 0-d tensor, another batch size or another length: a ValueError naming the shapes that fit (a 0-d tensor
+    overflowed in a reshape, and a batch of 3 for 2 rows failed in an expand, before)."""
+    fields = dict(vocab_size=60, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64)
+    if family == "gpt":
+        model = lrpe_hf.LinearGPTForCausalLM(lrpe_hf.LinearGPTConfig(**fields))
+    else:
+        model = lrpe_hf.LinearRobertaForMaskedLM(lrpe_hf.LinearRobertaConfig(**fields))
+    ids = torch.randint(3, 60, (2, 5))
+    for position_ids in (torch.tensor(3), torch.arange(5).expand(3, -1), torch.arange(4), torch.arange(6)[None]):
+        with pytest.raises(ValueError, match=r"position_ids must have shape \(batch, tokens\) = \(2, 5\), \(1, 5\)"):
+            model(ids, position_ids=position_ids)
+    for position_ids in (torch.arange(5), torch.arange(5)[None], torch.arange(5).expand(2, -1)):
+        assert model(ids, position_ids=position_ids).logits.shape[:2] == (2, 5)
+
+
+def test_the_package_says_its_version():
+    import importlib.metadata
+
+    assert lrpe_hf.__version__ == importlib.metadata.version("lrpe-hf")
+
+
 def test_bad_inputs():
     layer = LinearAttention(16, 2, positional_encoding="rope")
     x = torch.randn(2, 5, 16)

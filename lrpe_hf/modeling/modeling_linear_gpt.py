@@ -96,13 +96,13 @@ class LinearGPTModel(LinearGPTPreTrainedModel):
         past_key_values = take_cache(kwargs, past_key_values=past_key_values, cache=cache)
         check_extra_arguments(self, kwargs)
         check_segments(token_type_ids)
-        position_ids = given_position_ids(position_ids)
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of input_ids and inputs_embeds")
         hidden_states = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         if self.config.embedding_multiplier != 1.0:
             hidden_states = hidden_states * self.config.embedding_multiplier
         batch_size, num_tokens = hidden_states.shape[:2]
+        position_ids = given_position_ids(position_ids, batch_size, num_tokens)
         if use_cache is None:  # a slice of a sequence split over ranks (context_parallel) keeps a cache when asked
             use_cache = self.config.use_cache and not self.training and active_group() is None
         if isinstance(past_key_values, LinearAttentionCache) and past_key_values.is_initialized:

@@ -75,13 +75,13 @@ class LinearRobertaModel(LinearRobertaPreTrainedModel):
         for analysis)."""
         check_extra_arguments(self, kwargs)
         check_segments(token_type_ids, self.config.type_vocab_size)
-        position_ids = given_position_ids(position_ids)
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of input_ids and inputs_embeds")
         hidden_states = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         if self.config.embedding_multiplier != 1.0:
             hidden_states = hidden_states * self.config.embedding_multiplier
         batch_size, num_tokens = hidden_states.shape[:2]
+        position_ids = given_position_ids(position_ids, batch_size, num_tokens)
         output_hidden_states = (
             output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
         )

@@ -76,12 +76,18 @@ def default_position_ids(attention_mask, batch_size: int, num_tokens: int, devic
     return positions[:, -num_tokens:]
 
 
-def given_position_ids(position_ids):
+def given_position_ids(position_ids, batch_size: int, num_tokens: int):
     """A model's ``position_ids`` as (B or 1, N): (N,) (GPT-2 and RoBERTa take it) stands for every row. They count
-    tokens from 0: negative ones are refused."""
+    tokens from 0: negative ones are refused, and so is any other shape, saying which fit."""
     if position_ids is None:
         return None
     position_ids = torch.as_tensor(position_ids)
+    shape = tuple(position_ids.shape)
+    if shape not in ((num_tokens,), (1, num_tokens), (batch_size, num_tokens)):
+        raise ValueError(
+            f"position_ids must have shape (batch, tokens) = ({batch_size}, {num_tokens}), (1, {num_tokens}) or "
+            f"({num_tokens},) for these inputs; got {shape}"
+        )
     check_values(position_ids >= 0, "position_ids must be 0 or more (positions count from 0)")
     return position_ids.unsqueeze(0) if position_ids.dim() == 1 else position_ids
 
