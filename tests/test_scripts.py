@@ -341,6 +341,10 @@ def test_image_classification_on_fashion_mnist(workspace):
     )
     config = json.loads((out / "config.json").read_text())
     assert "ankle_boot" in config["id2label"].values()
+    # images counted as images: 3 steps of 16 from 64 (the Trainer alone counted each image's 784 pixels as tokens)
+    state = json.loads((out / "trainer_state.json").read_text())
+    assert state["num_input_tokens_seen"] == 0
+    assert "about 48 images seen (64 an epoch)" in (out / "README.md").read_text()
 
 
 def test_a_grey_scale_models_card_snippet_classifies_an_image(workspace):

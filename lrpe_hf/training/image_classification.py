@@ -66,6 +66,8 @@ def main(args=None):
 def run(model_args, data_args, training_args, trainer_class=CardTrainer):
     """Train and evaluate with parsed arguments; ``trainer_class`` builds the trainer (as ``CardTrainer``)."""
     training_args.remove_unused_columns = False  # the transform needs the raw image column
+    # the Trainer would count pixels as tokens (an image model has no tokens to count): the card counts images
+    training_args.include_num_input_tokens_seen = "no"
 
     dataset = load_files_or_hub(data_args.dataset_name, data_args.dataset_config, data_dir=data_args.data_dir)
     check_columns(dataset, [data_args.image_column, data_args.label_column])
@@ -138,6 +140,7 @@ def run(model_args, data_args, training_args, trainer_class=CardTrainer):
         datasets=[data_args.dataset_name] if data_args.dataset_name else [],
         data_description=f"{model.config.image_size}x{model.config.image_size} images; top-1 accuracy on the "
         "validation split.",
+        examples=("images", len(train)),
     )
     trainer = trainer_class(
         model=model,

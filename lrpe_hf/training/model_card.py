@@ -110,14 +110,18 @@ def framework_versions() -> str:
     return "\n".join(versions)
 
 
-def training_section(trainer, data_description: str) -> str:
-    """What the run did, with the figures the Trainer recorded."""
+def training_section(trainer, data_description: str, examples: tuple[str, int] | None = None) -> str:
+    """What the run did, with the figures the Trainer recorded. ``examples``: (what, how many a training epoch) for
+    data the Trainer cannot count in tokens (images): the card then says how many were seen, from the epochs."""
     state, args = trainer.state, trainer.args
     summary = next((entry for entry in state.log_history if "train_loss" in entry), None)
     if summary is None:
         done = "This run did not train (evaluation only)."
     else:
         tokens = f", {state.num_input_tokens_seen:,} tokens seen" if state.num_input_tokens_seen else ""
+        if examples is not None:
+            what, per_epoch = examples
+            tokens = f", about {round(state.epoch * per_epoch):,} {what} seen ({per_epoch:,} an epoch)"
         last = next((entry for entry in reversed(state.log_history) if "loss" in entry), None)
         final = f"the last logged training loss {last['loss']:.4f} (step {last['step']}), " if last else ""
         done = (

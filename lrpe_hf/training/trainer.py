@@ -15,7 +15,8 @@ from .plots import plot_loss_curves
 class CardTrainer(Trainer):
     """``Trainer`` with ``create_model_card`` rendering model_cards/<model_type>.md, so that ``--push_to_hub``
     uploads the lrpe-hf card (metrics, encoding, usage, what the training did) along with the weights, code and
-    tokenizer. ``card`` holds the template's fields; its ``data_description`` says how the data was cut."""
+    tokenizer. ``card`` holds the template's fields; its ``data_description`` says how the data was cut, and
+    ``examples`` (what, how many an epoch), where given, what the run saw when tokens are not what it counts."""
 
     def __init__(self, *args, card: dict, **kwargs):
         super().__init__(*args, **kwargs)
@@ -37,7 +38,7 @@ class CardTrainer(Trainer):
             else (self.args.hub_model_id or Path(self.args.output_dir).name)
         )
         fields = dict(self.card)
-        training = training_section(self, fields.pop("data_description"))
+        training = training_section(self, fields.pop("data_description"), fields.pop("examples", None))
         write_model_card(
             self.args.output_dir, self.model, model_id=model_id, metrics=self.card_metrics, training=training, **fields
         )
