@@ -133,3 +133,36 @@ def test_a_compiled_prefills_states_are_mutated_inputs_until_made_static(made_st
         assert step == []
     else:
         assert () in step and (1,) in step  # the cache's token count, the layers' real-token counts
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["train", "decode"])
+@pytest.mark.parametrize("encoding", [e for e in lrpe_hf.POSITIONAL_ENCODINGS if e not in ("spe_conv", "fastrpb")])
+def test_no_complex_tensor_in_a_compiled_graph(encoding, training):
+    """Inductor generates no code for complex operators (it falls back to eager ones and warns): compiled, the
+    rotations (rope, the LRPE types) take their real form, in a train step's graph (autograd Functions' subgraphs
+    included) and in a decoding step's. (convSPE's and FastRPB's FFTs have complex spectra by nature; inductor runs
+    FFTs as library kernels.)"""
+    found = []
+
+    def backend(graph, example_inputs):
+        for _, module in graph.named_modules():
+            for node in getattr(module, "graph", None).nodes if hasattr(module, "graph") else ():
+                value = node.meta.get("example_value")
+                if isinstance(value, torch.Tensor) and value.is_complex():
+                    found.append(str(node.target))
+        return graph
+
+    torch.manual_seed(0)
+    config = lrpe_hf.LinearGPTConfig(vocab_size=60, positional_encoding=encoding, **{**TINY, "num_hidden_layers": 1})
+    model = lrpe_hf.LinearGPTForCausalLM(config).train(training)
+    ids = torch.randint(3, 60, (2, 20), generator=torch.Generator().manual_seed(0))
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=backend)
+    if training:
+        compiled(ids, labels=ids).loss.backward()
+    else:
+        cache = lrpe_hf.LinearAttentionCache(config.num_hidden_layers)
+        with torch.no_grad():
+            compiled(ids, past_key_values=cache, use_cache=True)
+            compiled(ids[:, :1], past_key_values=cache, use_cache=True)
+    assert not found, f"complex tensors in the compiled graphs: {sorted(set(found))}"

@@ -30,8 +30,8 @@ COMPLEX_READY = (torch.float32, torch.float64)  # dtypes read as complex pairs i
 
 def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate consecutive pairs of ``x`` (..., m) by angles given as ``cos``, ``sin`` (..., P), P <= m // 2;
-    the remaining features pass through. The real form, for half precision under ``torch.compile`` (which fuses
-    it; complex ops would not be); everywhere else the complex product of ``multiply_pairs``."""
+    the remaining features pass through. The real form, under ``torch.compile`` (which fuses it; complex ops would
+    not be); everywhere else the complex product of ``multiply_pairs``."""
     num_pairs = cos.shape[-1]
     pairs, rest = x[..., : 2 * num_pairs], x[..., 2 * num_pairs :]
     even, odd = pairs[..., 0::2], pairs[..., 1::2]
@@ -279,9 +279,10 @@ def rotate_queries_and_keys(q, k, positions, theta, axis, rates=None, radians=No
     theta (H, P), axis (P,) the position axis of each pair; ``rates`` and ``radians``: theta's ``turn_rates`` and
     ``radian_rates`` where the caller keeps them): through ``RotateQueriesAndKeys`` where a gradient is wanted,
     ``rotate_few`` for a decoding step's few angles, else ``rotate_by_angles``, all as complex products (half
-    precision in float32, rounded once); in the real form (``rotate_pairs``) for half precision under
-    ``torch.compile`` and for q and k of different dtypes."""
-    if k.dtype != q.dtype or q.dtype not in COMPLEX_READY and torch.compiler.is_compiling():
+    precision in float32, rounded once); in the real form (``rotate_pairs``) under ``torch.compile``, whose code
+    generation takes no complex operators (inductor falls back to eager ones for them, warning), and for q and k of
+    different dtypes."""
+    if k.dtype != q.dtype or torch.compiler.is_compiling():
         angles = unit_angles(positions, theta, axis, q.dtype, rates)
         cos, sin = angles.cos().to(q.dtype), angles.sin().to(q.dtype)
         return rotate_pairs(q, cos, sin), rotate_pairs(k, cos, sin)
