@@ -177,3 +177,43 @@ def test_a_custom_component_does_not_travel_as_remote_code(registered, tmp_path)
     """)
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert "Unknown positional_encoding 'alibi'" in result.stdout and "must be registered" in result.stdout, result
+
+
+class ScaledFeatures(lrpe_hf.PositionalEncoding):
+    """Scales the features by a fixed per-feature buffer (relative trivially: no position enters), made as the
+    caller says: from ``initial_values()``, as a persistent buffer, or in ``__init__`` as a non-persistent one."""
+
+    def __init__(self, width: int, how: str):
+        super().__init__()
+        self.width = width
+        if how == "initial_values":
+            self.register_initial_values()
+        else:
+            self.register_buffer("scales", self.initial_values()["scales"], persistent=how == "persistent")
+
+    def initial_values(self):
+        return {"scales": torch.linspace(0.5, 2.0, self.width)}
+
+    def encode_features(self, q, k, positions):
+        return q * self.scales.to(q.dtype), k * self.scales.to(k.dtype)
+
+
+@pytest.mark.parametrize("how", ["initial_values", "persistent", "in_init"])
+def test_a_custom_encodings_buffer_comes_back_from_from_pretrained(how, tmp_path):
+    """A custom encoding's buffer comes back from from_pretrained with its values, however it was made: remade from
+    initial_values(), saved with the weights (persistent), or made in __init__ and not saved (transformers builds the
+    buffers for real while it builds the parameters on the meta device, at both ends of the supported range); the
+    reloaded model gives the saved one's logits."""
+    name = f"scaled_{how}"
+    lrpe_hf.register_positional_encoding(name, lambda options, heads, head_dim, width: ScaledFeatures(width, how))
+    try:
+        config = lrpe_hf.LinearGPTConfig(**TINY, vocab_size=50, positional_encoding=name)
+        model = lrpe_hf.LinearGPTForCausalLM(config).eval()
+        ids = torch.randint(3, 50, (2, 9), generator=torch.Generator().manual_seed(0))
+        model.save_pretrained(tmp_path)
+        loaded = lrpe_hf.LinearGPTForCausalLM.from_pretrained(tmp_path).eval()
+        scales = loaded.model.stack.layers[0].self_attn.positional_encoding.scales
+        torch.testing.assert_close(scales, torch.linspace(0.5, 2.0, scales.shape[0]), rtol=0, atol=0)
+        torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=0, atol=0)
+    finally:
+        POSITIONAL_ENCODING_REGISTRY.pop(name)
