@@ -24,15 +24,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 READING_OPS = {
     "_local_scalar_dense", "is_nonzero", "item", "equal", "nonzero", "nonzero_static", "argwhere", "masked_select",
     "masked_scatter", "unique", "_unique", "_unique2", "unique_dim", "unique_consecutive", "bincount", "histc",
-    "repeat_interleave", "_assert_scalar",
+    "repeat_interleave",
 }  # fmt: skip
 
 
 def reads_values(func, args, kwargs) -> bool:
     """Whether the ATen op ``func`` called with ``args`` reads values on the host."""
     name = func._schema.name.split("::")[-1]
-    if name == "repeat_interleave":  # its output's length is read from the repeats, unless given
-        return (kwargs or {}).get("output_size") is None and isinstance(args[0], torch.Tensor) and args[0].dim() > 0
+    if name == "repeat_interleave":  # a tensor of repeats: the output's length is read from it, unless given
+        return func._overloadname in ("Tensor", "self_Tensor") and (kwargs or {}).get("output_size") is None
     if name in ("index", "index_put", "index_put_", "_index_put_impl_"):  # boolean indices select by value
         indices = args[1] if len(args) > 1 else ()
         return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices or ())

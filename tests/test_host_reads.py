@@ -184,3 +184,21 @@ def test_a_decoding_step_reads_nothing(encoding, feature_map, padded):
         assert sum(everything.values()) == 2 and entry_reads_allowed(everything, "grid", encoding), describe(everything)
     else:
         assert not everything, describe(everything)
+
+
+def test_the_counter_sees_every_kind_of_read_and_nothing_else():
+    """What the tests above rely on: each way of reading a value on the host is counted once (a value, a truth value,
+    a list, a shape made from values), inside a watched layer or not, and ops that read nothing are not counted."""
+    x = torch.arange(6.0)
+    layer = torch.nn.Linear(6, 6)
+    with host_reads.HostReads() as reads:
+        x.sum().item(), bool(x.any()), int(x[0]), x.tolist(), x.nonzero(), x[x > 2], x.masked_select(x > 2)
+        torch.arange(3).repeat_interleave(torch.tensor([1, 0, 2])), torch.unique(x), torch.equal(x, x)
+        layer(x), x.repeat_interleave(2), torch.where(x > 2, x, 0), torch._assert_async(x.sum() > 0)
+        torch.arange(3).repeat_interleave(torch.tensor([1, 0, 2]), output_size=3)
+    ops = sorted(op for (op, _, _), n in reads.reads.items() for _ in range(n))
+    assert ops == sorted(
+        ["_local_scalar_dense"] * 3 + ["tolist", "nonzero", "index", "masked_select", "repeat_interleave"]
+        + ["_unique2", "equal"]
+    ), ops  # fmt: skip
+    assert not reads.inside_layers() and reads.device_checks() == 0
