@@ -11,9 +11,9 @@ graph can then replay each step (``mode="reduce-overhead"``). What grows, FastRP
 baseline's keys, becomes a dynamic shape and a new address at each growth.
 A prefill run by a compiled forward makes the states inside its graph, where nothing can mark them static:
 ``make_static`` gives them addresses of their own, marked, before the next step (``generate`` calls it before every
-step). ``is_compileable`` stays False: with True, ``generate`` would build 4D masks for it and compile on its own on a
-GPU, where this has not been measured. convSPE still breaks the graph: the noise it filters is read at the
-positions' values.
+step of a compiled forward). ``is_compileable`` stays False: with True, ``generate`` would build 4D masks for it and
+compile on its own on a GPU, where this has not been measured. convSPE still breaks the graph: the noise it filters
+is read at the positions' values.
 """
 
 import torch
@@ -56,8 +56,8 @@ class LinearAttentionCache(Cache):
         compiled step) are that graph's outputs, which the compiler cannot mark from inside, and a CUDA graph may
         hand their memory to a later replay; a compiled decoding step that writes them in place must find them as
         static inputs, or CUDA-graph trees skip its graph ("mutated inputs"). ``generate`` calls this before every
-        step (outside the compiled forward); a decoding loop of one's own calls it after a compiled prefill. Not
-        while compiling."""
+        step when the model's forward is compiled (outside the compiled forward; an eager one makes its states
+        marked); a decoding loop of one's own calls it after a compiled prefill. Not while compiling."""
         if torch.compiler.is_compiling():
             return
         if self.token_count is not None and not is_marked_static(self.token_count):

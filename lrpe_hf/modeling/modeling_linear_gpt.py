@@ -217,7 +217,8 @@ class LinearGPTForCausalLM(LinearGPTPreTrainedModel, GenerationMixin):
         appended = kwargs.get("next_sequence_length") is not None and not kwargs.get("is_first_iteration")
         if appended and isinstance(cache, LinearAttentionCache) and cache.seen_tokens > 0:
             model_inputs.pop("attention_mask", None)
-        if isinstance(cache, LinearAttentionCache) and cache.is_initialized:
+        compiled = getattr(self.forward, "_torchdynamo_orig_callable", None) is not None  # torch.compile's wrapper
+        if compiled and isinstance(cache, LinearAttentionCache) and cache.is_initialized:
             cache.make_static()  # a compiled forward's states: static inputs of the next step (CUDA graphs hold)
         return model_inputs
 
