@@ -166,3 +166,25 @@ def test_no_complex_tensor_in_a_compiled_graph(encoding, training):
             compiled(ids, past_key_values=cache, use_cache=True)
             compiled(ids[:, :1], past_key_values=cache, use_cache=True)
     assert not found, f"complex tensors in the compiled graphs: {sorted(set(found))}"
+
+
+def test_generate_with_a_compiled_forward_reads_no_token_count_back(monkeypatch):
+    """After a compiled step the cache's count lives on the device only; preparing each next step asks whether the
+    cache has seen tokens without reading it back (a sync per generated token on a GPU)."""
+    from lrpe_hf.modeling.cache import LinearAttentionCache
+
+    reads = []
+    count = LinearAttentionCache.seen_tokens.fget
+
+    def counted(cache):
+        reads.append(cache.host_count is None)  # None: the count is read from the device
+        return count(cache)
+
+    monkeypatch.setattr(LinearAttentionCache, "seen_tokens", property(counted))
+    torch.manual_seed(0)
+    model = lrpe_hf.LinearGPTForCausalLM(lrpe_hf.LinearGPTConfig(vocab_size=60, **TINY)).eval()
+    ids = torch.randint(3, 60, (1, 8), generator=torch.Generator().manual_seed(0))
+    torch._dynamo.reset()
+    model.forward = torch.compile(model.forward, backend="eager")
+    model.generate(ids, max_new_tokens=6, do_sample=False)
+    assert not any(reads), f"{sum(reads)} reads of the token count from the device"

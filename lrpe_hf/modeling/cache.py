@@ -86,6 +86,11 @@ class LinearAttentionCache(Cache):
             return self.host_count
         return 0 if self.token_count is None else int(self.token_count)
 
+    @property
+    def has_seen_tokens(self) -> bool:
+        """Whether the cache has seen a token, without a read from the device (a compiled step adds at least one)."""
+        return self.host_count > 0 if self.host_count is not None else self.token_count is not None
+
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.seen_tokens
 

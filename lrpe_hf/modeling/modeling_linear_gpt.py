@@ -215,7 +215,7 @@ class LinearGPTForCausalLM(LinearGPTPreTrainedModel, GenerationMixin):
                 "over in a way this model does not know. Please report it with your transformers version."
             )
         appended = kwargs.get("next_sequence_length") is not None and not kwargs.get("is_first_iteration")
-        if appended and isinstance(cache, LinearAttentionCache) and cache.seen_tokens > 0:
+        if appended and isinstance(cache, LinearAttentionCache) and cache.has_seen_tokens:
             model_inputs.pop("attention_mask", None)
         compiled = getattr(self.forward, "_torchdynamo_orig_callable", None) is not None  # torch.compile's wrapper
         if compiled and isinstance(cache, LinearAttentionCache) and cache.is_initialized:
