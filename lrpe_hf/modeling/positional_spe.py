@@ -466,8 +466,8 @@ class ConvSPECodes(SPECodes):
             if in_order:  # one row 0..N-1: the grid itself
                 codes = grid[None]
             else:
-                index = rows - rows.new_tensor(lo_values)
-                codes = grid[(slice(None),) + tuple(index[..., a] for a in range(A))].transpose(0, 1)
+                index = tuple(rows[..., a] - lo_values[a] for a in range(A))  # numbers: no copy to the device
+                codes = grid[(slice(None),) + index].transpose(0, 1)
             return codes.contiguous()  # once for every layer: their products fold (head, token) into one batch
 
         return draw.cached("conv_query" if is_query else "conv_key", positions, build)

@@ -65,14 +65,18 @@ def default_position_ids(attention_mask, batch_size: int, num_tokens: int, devic
     tokens' positions unchanged (padding takes its neighbour's position; its outputs are zeroed anyway).
 
     ``attention_mask`` covers the N new tokens or, while decoding, the past and new ones (then ``past`` is
-    read from it). ``past`` is the number of real tokens before, an int or a (B,) tensor.
+    read from it). ``past`` is the number of real tokens before, an int or a (B,) tensor. An int is added as a
+    number: a tensor made from it would be a copy from the host, which on a GPU waits for the queued kernels.
     """
+    if isinstance(past, torch.Tensor):
+        past = past.reshape(-1, 1)
     if attention_mask is None:
-        past = torch.as_tensor(past, device=device).reshape(-1, 1)
+        if not isinstance(past, torch.Tensor):  # one row for every row (the layers see its stride: ``distinct_rows``)
+            return torch.arange(past, past + num_tokens, device=device).expand(batch_size, -1)
         return (past + torch.arange(num_tokens, device=device)).expand(batch_size, -1)
     positions = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
     if attention_mask.shape[1] == num_tokens:
-        positions = positions + torch.as_tensor(past, device=device).reshape(-1, 1)
+        positions = positions + past
     return positions[:, -num_tokens:]
 
 
