@@ -22,7 +22,11 @@ def inputs(case, generator):
     batch = 2
     x = torch.randn(batch, TOKENS, 32, generator=generator, dtype=torch.float64)
     mask = None
-    if case.get("padded"):  # row 1: padding on both sides, inside the second rank's slice too
+    if case.get("padded") == "at boundaries":  # row 1: padding that starts the slices of 2, 3 and 4 ranks
+        mask = torch.ones(batch, TOKENS, dtype=torch.bool)
+        for start in (TOKENS // 4, TOKENS // 3, TOKENS // 2, 2 * TOKENS // 3, 3 * TOKENS // 4):
+            mask[1, start : start + 2] = False
+    elif case.get("padded"):  # row 1: padding on both sides, inside the second rank's slice too
         mask = torch.ones(batch, TOKENS, dtype=torch.bool)
         mask[1, :5] = False
         mask[1, TOKENS // 2 + 1 : TOKENS // 2 + 4] = False
@@ -88,30 +92,40 @@ def run_case(case, rank, size):
 
 
 def run_model_case(case, rank, size):
-    """A 2-layer LinearGPT (causal LM) or LinearRoberta (masked LM) in float64, its loss and every gradient: each
-    rank's loss is its tokens' sum over the whole sequence's count of scored tokens, so the ranks' losses add up
-    to one process's; the causal LM takes the labels shifted over the whole sequence, sliced like the inputs."""
+    """A 2-layer LinearGPT (causal LM), LinearRoberta (masked LM) or LinearRoberta token classifier in float64,
+    its loss and every gradient: each rank's loss is its tokens' sum over the whole sequence's count of scored
+    tokens, so the ranks' losses add up to one process's; the causal LM takes the labels shifted over the whole
+    sequence, sliced like the inputs. ``checkpointing`` ("reentrant" or "non_reentrant"): in training mode with
+    gradient checkpointing, whose recomputation runs in backward, outside the ``context_parallel`` block (as the
+    Trainer runs it); ``score_padding``: padding tokens keep their labels (their logits count)."""
     import lrpe_hf
 
     family = case["model"]
     torch.manual_seed(0)
     fields = dict(
         vocab_size=60, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-        hidden_dropout_prob=0.0, max_position_embeddings=128, positional_encoding=case["positional_encoding"],
-        absolute_position_embedding=case.get("absolute", "none"), spe_realizations=8,
+        hidden_dropout_prob=0.0, classifier_dropout=0.0, max_position_embeddings=128, num_labels=3,
+        positional_encoding=case["positional_encoding"], absolute_position_embedding=case.get("absolute", "none"),
+        spe_realizations=8,
     )  # fmt: skip
     if family == "gpt":
         model = lrpe_hf.LinearGPTForCausalLM(lrpe_hf.LinearGPTConfig(**fields))
+    elif family == "token":
+        model = lrpe_hf.LinearRobertaForTokenClassification(lrpe_hf.LinearRobertaConfig(**fields))
     else:
         model = lrpe_hf.LinearRobertaForMaskedLM(lrpe_hf.LinearRobertaConfig(**fields))
     model = model.double().eval()
+    if case.get("checkpointing"):
+        reentrant = case["checkpointing"] == "reentrant"
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        model.train()
     generator = torch.Generator().manual_seed(1)
     ids = torch.randint(3, 60, (2, TOKENS), generator=generator)
     _, mask, positions = inputs(case, generator)
-    labels = ids.clone()
-    if family == "roberta":  # a masked LM scores some tokens only
+    labels = torch.randint(0, 3, ids.shape, generator=generator) if family == "token" else ids.clone()
+    if family != "gpt":  # a masked LM or a token classifier scores some tokens only
         labels[torch.rand(ids.shape, generator=generator) > 0.3] = -100
-    if mask is not None:
+    if mask is not None and not case.get("score_padding"):
         labels = labels.masked_fill(~mask, -100)
     extra = {} if mask is None else {"attention_mask": mask.long()}
     if positions is not None:
@@ -138,8 +152,9 @@ def run_model_case(case, rank, size):
     errors = {"loss": (loss - reference.loss).abs().item()}
     errors["logits"] = (out.logits - reference.logits[:, piece]).abs().max().item()
     errors.update(gradient_errors(model, reference_grads))
-    # transformers' masked-LM loss sums in float32 (it casts the logits), so its sum over ranks keeps float32 rounding
-    tolerances = {"loss": 1e-6} if family == "roberta" else {}
+    # transformers' masked-LM and token-classification losses sum in float32 (they cast the logits), so their sums
+    # over ranks keep float32 rounding
+    tolerances = {"loss": 1e-6} if family != "gpt" else {}
     check(errors, tolerances, f"rank {rank}/{size} {case}", f"loss {reference.loss:.4f}")
 
 
@@ -205,12 +220,31 @@ def run_prefill_case(case, rank, size):
             print(f"rank {rank}/{size} prefill {case}: split cache made")
 
 
+def run_empty_rank_case(case, rank, size):
+    """Two tokens over more ranks than that: every rank refuses, naming the cause, and none waits on the others."""
+    import lrpe_hf
+
+    config = lrpe_hf.LinearGPTConfig(vocab_size=60, hidden_size=32, num_hidden_layers=1, num_attention_heads=4)
+    model = lrpe_hf.LinearGPTForCausalLM(config).double()
+    ids = torch.tensor([[5, 6]])
+    try:
+        with context_parallel():
+            model(ids[:, rank * 2 // size : (rank + 1) * 2 // size])
+    except ValueError as error:
+        assert "every rank to hold tokens" in str(error), error
+        print(f"rank {rank}/{size} empty rank: refused ({error})")
+    else:
+        sys.exit(f"rank {rank}/{size}: a split with a rank holding no tokens was not refused")
+
+
 def main():
     dist.init_process_group("gloo")
     rank, size = dist.get_rank(), dist.get_world_size()
     for case in json.loads(sys.argv[1]):
         if case.get("prefill"):
             run_prefill_case(case, rank, size)
+        elif case.get("empty_rank"):
+            run_empty_rank_case(case, rank, size)
         else:
             (run_model_case if "model" in case else run_case)(case, rank, size)
     dist.barrier()

@@ -289,9 +289,12 @@ def test_ddp_training_on_two_processes_equals_one_process_float64(data_parallel_
 def context_parallel_runs(workspace):
     """The same float64 training (permute: a decay, so the ranks' states combine with their decays) on four
     processes, 2 x 2 (``--context_parallel_size 2``: two data-parallel groups of two processes, each splitting its
-    64-token blocks in halves; per-device batch 2) and on one process with batch 4. The sampler hands the two
-    groups the batches one process of batch 4 takes, in the same order."""
-    return launched_and_alone(workspace, "context_parallel", "permute", 4, ["--context_parallel_size", "2"])
+    64-token blocks in halves; per-device batch 2), with reentrant gradient checkpointing (its recomputation runs
+    in backward, outside the block the Trainer's forward ran in), and on one process with batch 4 without it. The
+    sampler hands the two groups the batches one process of batch 4 takes, in the same order."""
+    extra = ["--context_parallel_size", "2", "--gradient_checkpointing", "true"]
+    extra += ["--gradient_checkpointing_kwargs", json.dumps({"use_reentrant": True})]
+    return launched_and_alone(workspace, "context_parallel", "permute", 4, extra)
 
 
 def test_context_parallel_training_on_2_x_2_processes_equals_one_process_float64(context_parallel_runs):

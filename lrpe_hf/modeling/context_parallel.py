@@ -92,6 +92,18 @@ def active_group() -> ContextParallelGroup | None:
     return _active[-1] if _active else None
 
 
+@contextlib.contextmanager
+def rejoined(cp: ContextParallelGroup):
+    """Inside, ``cp`` is the active group again: a layer that ran inside ``context_parallel`` and is recomputed by
+    gradient checkpointing in backward, outside the block, splits as it did (the same collectives, in the same
+    order on every rank, since every rank recomputes the same layers)."""
+    _active.append(cp)
+    try:
+        yield cp
+    finally:
+        _active.pop()
+
+
 def gathered(x: torch.Tensor, cp: ContextParallelGroup) -> list[torch.Tensor]:
     """Every rank's x (no gradient), in rank order."""
     parts = [torch.empty_like(x) for _ in range(cp.size)]
@@ -194,16 +206,20 @@ def refuse_in_context_parallel(what: str):
 def incoming_counters(positions, mask, batch_size: int, num_tokens: int, device, cp: ContextParallelGroup):
     """The counters a recurrent state would hold after the earlier ranks' tokens: a ``LinearAttentionState`` with
     ``num_tokens`` (B,) real tokens before this rank and ``last_position`` (B,) the last of them's position (one
-    all-gather of two numbers a row). positions (B, N, A) given ones, or None for defaults; mask (B, N) bool or
-    None. A model gathers them once for all its layers."""
+    all-gather: the rank's tokens, and a row's real tokens and last real position). positions
+    (B, N, A) given ones, or None for defaults; mask (B, N) bool or None. A model gathers them once for all its
+    layers. Raises on every rank where a rank holds no tokens."""
     B, N, given_positions = batch_size, num_tokens, positions is not None
     real = mask if mask is not None else torch.ones(B, N, dtype=torch.bool, device=device)
     count = real.long().sum(-1)
     last = torch.full((B,), -1, dtype=torch.long, device=device)
-    if given_positions:
+    if given_positions and N:
         index = torch.arange(N, device=device).expand(B, N).masked_fill(~real, -1).amax(-1)
         last = torch.where(index >= 0, positions[..., 0].gather(-1, index.clamp_min(0)[:, None])[:, 0], last)
-    counts, lasts = (torch.stack(gathered(x, cp)) for x in (count, last))  # (ranks, B)
+    mine = torch.cat([torch.full((1,), N, dtype=torch.long, device=device), count, last])
+    every = torch.stack(gathered(mine, cp))  # (ranks, 1 + 2B)
+    refuse_empty_ranks(every[:, 0].tolist())
+    counts, lasts = every[:, 1 : 1 + B], every[:, 1 + B :]  # (ranks, B)
     before = counts[: cp.rank].sum(0)
     state = LinearAttentionState()
     state.num_tokens = before
@@ -217,6 +233,16 @@ def incoming_counters(positions, mask, batch_size: int, num_tokens: int, device,
     state.document = torch.zeros_like(before)
     state.given_positions = given_positions
     return state
+
+
+def refuse_empty_ranks(tokens_per_rank: list[int]):
+    """Raise (on every rank: each holds the same list) where a rank's slice holds no tokens."""
+    if 0 in tokens_per_rank:
+        raise ValueError(
+            f"Context parallelism needs every rank to hold tokens of the sequence; the slices hold {tokens_per_rank} "
+            f"tokens: split fewer tokens over fewer ranks, or pad the sequence to a multiple of the ranks (as "
+            "--context_parallel_size does)"
+        )
 
 
 def refuse_packed_bidirectional_rows(starts, device, cp: ContextParallelGroup):

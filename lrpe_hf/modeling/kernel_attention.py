@@ -143,7 +143,8 @@ class KernelAttention(nn.Module):
         if cp is not None and (features.log_scale is not None or features.key_max is not None):
             raise ValueError(
                 f"Context parallelism does not take feature_map={type(self.feature_map).__name__}: it is stabilised "
-                "by a running key maximum, which the ranks would need in turn; use elu, relu, dpfp or hedgehog"
+                "by a running key maximum, which the ranks would need in turn; use a map without one (elu, relu, dpfp, "
+                "hedgehog or t2r)"
             )
         log_decay = encoding.log_decay
         if log_decay is not None and not self.causal:

@@ -25,7 +25,13 @@ from torch import nn
 
 from .attention_options import AttentionOptions
 from .attention_state import ValueHistory
-from .context_parallel import active_group, incoming_counters, refuse_packed_bidirectional_rows, refuse_unsplit_layer
+from .context_parallel import (
+    active_group,
+    incoming_counters,
+    refuse_in_context_parallel,
+    refuse_packed_bidirectional_rows,
+    refuse_unsplit_layer,
+)
 from .kernel_attention import KernelAttention
 from .positional_encoding import NoPositionalEncoding
 from .positions import check_position_ids, default_position_ids, find_documents, mask_as_bool, position_steps
@@ -156,6 +162,7 @@ class LinearAttention(nn.Module):
         probed with one-hot values (value t = e_t), so every stabiliser, gate, decay and normalisation it applies
         is in them (FastRPB's bias included). Padded queries' rows and padded keys' columns are zero. O(N^2)
         memory: for analysis and attention transfer, not for long inputs."""
+        refuse_in_context_parallel("attention weights (output_attentions): a rank holds its own queries and keys only")
         B, N = hidden_states.shape[:2]
         one_hot = torch.eye(N, dtype=hidden_states.dtype, device=hidden_states.device)
         probe = one_hot.expand(B, self.num_heads, N, N)

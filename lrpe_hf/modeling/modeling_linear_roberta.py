@@ -239,6 +239,8 @@ class LinearRobertaForSequenceClassification(LinearRobertaPreTrainedModel):
 
 
 class LinearRobertaForTokenClassification(LinearRobertaPreTrainedModel):
+    accepts_loss_kwargs = True  # the loss divides by the Trainer's num_items_in_batch
+
     def __init__(self, config: LinearRobertaConfig):
         super().__init__(config)
         self.num_labels = config.num_labels
@@ -261,8 +263,16 @@ class LinearRobertaForTokenClassification(LinearRobertaPreTrainedModel):
         output_hidden_states=None,
         **kwargs,
     ) -> TokenClassifierOutput:
-        """labels (B, N) class ids, -100 ignored."""
-        check_extra_arguments(self, kwargs)
+        """labels (B, N) class ids, -100 ignored. The loss is their mean, or their sum over ``num_items_in_batch``
+        (a keyword argument: the labelled tokens of every batch a gradient step accumulates, or, inside
+        ``context_parallel``, of the whole sequence, so that the ranks' losses add up to one process's)."""
+        check_extra_arguments(self, kwargs, accepted={"num_items_in_batch"})
+        num_items_in_batch = kwargs.get("num_items_in_batch")
+        if labels is not None and num_items_in_batch is None:
+            refuse_in_context_parallel(
+                "token classification's loss as a mean over one rank's tokens: pass num_items_in_batch, the whole "
+                "sequence's labelled tokens, and each rank's loss is its share"
+            )
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -276,7 +286,9 @@ class LinearRobertaForTokenClassification(LinearRobertaPreTrainedModel):
         logits = self.classifier(self.dropout(outputs.last_hidden_state))
         loss = None
         if labels is not None:
-            loss = self.loss_function(logits=logits, labels=labels, config=self.config)
+            loss = self.loss_function(
+                logits=logits, labels=labels, config=self.config, num_items_in_batch=num_items_in_batch
+            )
         return TokenClassifierOutput(
             loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
         )

@@ -74,10 +74,10 @@ def default_position_ids(attention_mask, batch_size: int, num_tokens: int, devic
         if not isinstance(past, torch.Tensor):  # one row for every row (the layers see its stride: ``distinct_rows``)
             return torch.arange(past, past + num_tokens, device=device).expand(batch_size, -1)
         return (past + torch.arange(num_tokens, device=device)).expand(batch_size, -1)
-    positions = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
-    if attention_mask.shape[1] == num_tokens:
-        positions = positions + past
-    return positions[:, -num_tokens:]
+    real_so_far = attention_mask.long().cumsum(-1)
+    if attention_mask.shape[1] == num_tokens:  # padding before a row's first real token here takes the last before
+        real_so_far = real_so_far + past
+    return (real_so_far - 1).clamp_min(0)[:, -num_tokens:]
 
 
 def given_position_ids(position_ids, batch_size: int, num_tokens: int):

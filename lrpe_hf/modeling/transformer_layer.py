@@ -15,6 +15,7 @@ from torch.nn import functional as F
 from transformers.activations import ACT2FN
 from transformers.modeling_layers import GradientCheckpointingLayer
 
+from .context_parallel import active_group, rejoined
 from .linear_attention import LinearAttention
 
 
@@ -93,10 +94,13 @@ class LinearTransformerLayer(GradientCheckpointingLayer):
         consecutive=None,
         count_tokens=True,
         counters=None,
+        context_group=None,
     ):
         """hidden_states (B, N, hidden) -> (B, N, hidden). ``shared_tables``: the shared draw's tables, passed as
         tensors so that gradient checkpointing sees them (see ``SPEDraw.with_tables``); ``documents``,
-        ``consecutive``, ``count_tokens``, ``counters``: as ``LinearAttention.forward`` takes them."""
+        ``consecutive``, ``count_tokens``, ``counters``: as ``LinearAttention.forward`` takes them;
+        ``context_group``: the ``context_parallel`` group the call runs in, or None, kept so that gradient
+        checkpointing's recomputation in backward, outside the block, splits the sequence as the call did."""
         if shared_tables:
             shared_draw = shared_draw.with_tables(shared_tables)
         attend = dict(
@@ -110,6 +114,14 @@ class LinearTransformerLayer(GradientCheckpointingLayer):
             count_tokens=count_tokens,
             counters=counters,
         )
+        if context_group is not None and active_group() is not context_group:
+            with rejoined(context_group):
+                return self.attend_then_mix(hidden_states, attend)
+        return self.attend_then_mix(hidden_states, attend)
+
+    def attend_then_mix(self, hidden_states, attend: dict):
+        """The residual blocks: attention (``attend``: its keyword arguments), then the MLP, each normed before
+        (pre-norm) or after. hidden_states (B, N, hidden)."""
         if self.pre_norm:
             hidden_states = hidden_states + self.dropout(
                 self.self_attn(self.self_attn_layer_norm(hidden_states), **attend)

@@ -96,6 +96,7 @@ class LinearTransformerStack(nn.Module):
                 consecutive=consecutive,
                 count_tokens=False,
                 counters=counters,
+                context_group=cp,
             )
         if cache is not None:  # every layer saw these tokens: their counters advance once, after all have read them
             if documents is None:

@@ -144,8 +144,10 @@ class LanguageModelingTrainingArguments(TrainingArguments):
         default=1,
         metadata={
             "help": "split every training sequence over this many processes (context parallelism; under accelerate "
-            "launch with a multiple of it as --num_processes, the groups of consecutive processes data-parallel); "
-            "1 (default): each process trains whole sequences"
+            "launch with a multiple of it as --num_processes, the groups of consecutive processes data-parallel). "
+            "An epoch's last incomplete batch is dropped (as --dataloader_drop_last does: an epoch has one step "
+            "fewer than one process takes where the batch size does not divide the examples). 1 (default): each "
+            "process trains whole sequences"
         },
     )
 
