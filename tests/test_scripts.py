@@ -345,6 +345,16 @@ def test_image_classification_on_fashion_mnist(workspace):
     state = json.loads((out / "trainer_state.json").read_text())
     assert state["num_input_tokens_seen"] == 0
     assert "about 48 images seen (64 an epoch)" in (out / "README.md").read_text()
+    # the saved processor, called directly as a user would, reads the dataset's grey images for this RGB model
+    from PIL import Image
+    from transformers import AutoImageProcessor
+
+    processor = AutoImageProcessor.from_pretrained(out)
+    grey = Image.open(next((ROOT / "data/fashion_mnist/validation/bag").iterdir()))
+    assert grey.mode == "L"
+    pixels = processor(grey, return_tensors="pt")["pixel_values"]
+    assert pixels.shape == (1, 3, 28, 28)
+    assert torch.equal(pixels, processor(grey.convert("RGB"), return_tensors="pt")["pixel_values"])
 
 
 def test_a_grey_scale_models_card_snippet_classifies_an_image(workspace):

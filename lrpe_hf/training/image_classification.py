@@ -107,6 +107,7 @@ def run(model_args, data_args, training_args, trainer_class=CardTrainer):
             size={"height": config.image_size, "width": config.image_size},
             image_mean=[0.5] * config.num_channels,
             image_std=[0.5] * config.num_channels,
+            do_convert_rgb=config.num_channels == 3,  # called directly (not only here), grey images become RGB
         )
     mode = "RGB" if model.config.num_channels == 3 else "L"
 
