@@ -35,8 +35,14 @@ sequence in one process. What crosses ranks, and why that is all:
 Refused, with the reason: the softmax baseline (accelerate's own context parallelism splits SDPA), FastRPB (its
 bias reads every earlier value), feature maps stabilised by a running key maximum (exp, performer), convSPE and
 sineSPE while training (their codes are random draws, which the ranks would make apart), and a recurrent state
-that has seen tokens (a split call starts a sequence; generation continues on one process), and what reads tokens
-of other ranks: pooled heads (sequence classification, question answering, LinearViT's class token).
+that has seen tokens (a split call starts a sequence; generation continues on one process), a split that leaves a
+rank no tokens, and what reads tokens of other ranks: pooled heads (sequence classification, question answering,
+LinearViT's class token), attention weights (``output_attentions``) and a token classifier's mean loss (given
+``num_items_in_batch`` it takes each rank's share instead).
+
+Gradient checkpointing recomputes each layer in backward, after the ``context_parallel`` block has closed: each
+model layer keeps the group it ran in (``LinearTransformerLayer``'s ``context_group``) and rejoins it
+(``rejoined``), so the recomputation makes the same collectives, in the same order on every rank.
 
 A prefill can be split: a fresh state (a layer's ``LinearAttentionState``, or LinearGPT's cache with
 ``use_cache=True``) given inside ``context_parallel`` ends holding S^out_r and the counters after this rank's last
