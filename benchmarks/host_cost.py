@@ -13,7 +13,8 @@ turn (the order rotating from round to round):
 Each model's time over GPT-2's (SDPA) in the same round is one paired sample; over the rounds the geometric mean
 with its 95% interval and the verdict (``measure.time_ratio``). ``--compiled`` adds the same steps under
 ``torch.compile`` (inductor; the whole train step's forward and backward, AdamW eager; the decoding forward), for
-GPT-2 and every encoding alike. Beside the times, per step of the model (forward and backward, the optimiser's
+GPT-2 and every encoding alike (torch's limit of 8 graphs a function raised, so that no model falls back to eager
+unseen). Beside the times, per step of the model (forward and backward, the optimiser's
 step apart): the host reads (``host_reads.HostReads``, those a GPU would wait for: device-side checks not counted)
 and the ATen ops (``count_ops``'s counting rule, CPU-sized blocks set to one block as on a GPU): the whole model's, and
 per layer (the 6-layer model's less the 1-layer model's, over 5); and the first step's wall time in seconds
@@ -231,6 +232,10 @@ def main():
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.compiled:  # every model compiles the same forward: past torch's 8 graphs a frame, it would run eager
+        torch._dynamo.config.recompile_limit = 1000
+        torch._dynamo.config.accumulated_recompile_limit = 10000
+        torch._dynamo.config.fail_on_recompile_limit_hit = True
     if args.rounds < 2:
         parser.error(f"--rounds must be at least 2 for an interval, got {args.rounds}")
     suffixes = {"fla": "+fla", "torch": ""}
