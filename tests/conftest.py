@@ -8,7 +8,9 @@ from lrpe_hf import LinearAttention
 ROOT = Path(__file__).resolve().parents[1]
 
 # Every encoding is tested with elu and with this second map; together they cover all five maps.
-SECOND_FEATURE_MAP = {
+# Each built-in encoding's second feature map in the sweeps (its default is elu, or its paper's); any other
+# registered encoding is swept with relu.
+SECOND_FEATURE_MAPS = {
     "none": "exp",
     "rope": "performer",
     "lrpe_unitary": "relu",
@@ -19,6 +21,12 @@ SECOND_FEATURE_MAP = {
     "spe_conv": "performer",
     "fastrpb": "exp",
 }
+
+
+def second_feature_map(encoding: str) -> str:
+    """The feature map a sweep tries beside the default for ``encoding``."""
+    return SECOND_FEATURE_MAPS.get(encoding, "relu")
+
 
 SMALL = dict(spe_realizations=4, spe_sines=2, spe_kernel_size=3, max_positions=64)
 

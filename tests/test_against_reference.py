@@ -4,7 +4,7 @@ import math
 
 import pytest
 import torch
-from conftest import SECOND_FEATURE_MAP, make_layer
+from conftest import make_layer, second_feature_map
 from reference import reference_attention
 from torch.nn import functional as F
 
@@ -34,7 +34,7 @@ def check(layer, x, mask, positions=None, atol=1e-8):
 @pytest.mark.parametrize("feature", ["elu", "second"])
 @pytest.mark.parametrize("encoding", POSITIONAL_ENCODINGS)
 def test_linear_attention_matches_quadratic_formula(encoding, feature, causal):
-    feature_map = "elu" if feature == "elu" else SECOND_FEATURE_MAP[encoding]
+    feature_map = "elu" if feature == "elu" else second_feature_map(encoding)
     layer = make_layer(encoding, feature_map=feature_map, causal=causal, chunk_size=4)
     check(layer, *padded_inputs(causal))
 

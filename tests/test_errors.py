@@ -8,26 +8,22 @@ from lrpe_hf import LinearAttention, LinearAttentionState
 from lrpe_hf.modeling.registry import positional_encoding_entry
 
 
-def test_public_name_lists():
-    assert lrpe_hf.POSITIONAL_ENCODINGS == (
-        "none",
-        "rope",
-        "lrpe_unitary",
-        "lrpe_orthogonal",
-        "lrpe_permutation",
-        "permute",
-        "spe_sine",
-        "spe_conv",
-        "fastrpb",
-    )
-    assert lrpe_hf.FEATURE_MAPS == ("elu", "relu", "exp", "dpfp", "performer", "hedgehog", "t2r")
+def test_public_name_lists_are_the_registries():
+    """The public lists are the registries' names, the built-ins first in the order they register (a component a
+    user or a new module registers comes after them)."""
+    from lrpe_hf.modeling.registry import FEATURE_MAP_REGISTRY, POSITIONAL_ENCODING_REGISTRY
+
+    assert lrpe_hf.POSITIONAL_ENCODINGS == tuple(POSITIONAL_ENCODING_REGISTRY)
+    assert lrpe_hf.FEATURE_MAPS == tuple(FEATURE_MAP_REGISTRY)
+    assert lrpe_hf.POSITIONAL_ENCODINGS[:3] == ("none", "rope", "lrpe_unitary")
+    assert lrpe_hf.FEATURE_MAPS[:2] == ("elu", "relu")
 
 
 @pytest.mark.parametrize(
     "options,message",
     [
-        (dict(positional_encoding="alibi"), "valid values: none, rope, lrpe_unitary"),
-        (dict(feature_map="tanh"), "valid values: elu, relu, exp, dpfp, performer, hedgehog, t2r"),
+        (dict(positional_encoding="alibi"), "valid values: " + ", ".join(lrpe_hf.POSITIONAL_ENCODINGS)),
+        (dict(feature_map="tanh"), "valid values: " + ", ".join(lrpe_hf.FEATURE_MAPS)),
         (dict(attention="flash"), "valid values: linear, softmax"),
         (dict(normalization="l2"), "valid values: denominator, unrotated_denominator, output_norm"),
         (dict(lrpe_p_matrix="fourier", positional_encoding="lrpe_unitary"), "valid values: householder, identity"),

@@ -8,7 +8,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import SECOND_FEATURE_MAP
+from conftest import second_feature_map
 from torch.nn import functional as F
 from transformers import (
     AutoConfig,
@@ -305,7 +305,7 @@ def test_compiled_training_layer_has_the_eager_values_and_gradients(encoding, mo
 
 
 COMPILED_LAYERS = [(encoding, feature_map) for encoding in lrpe_hf.POSITIONAL_ENCODINGS if encoding != "spe_conv"
-                   for feature_map in ("elu", SECOND_FEATURE_MAP[encoding])]  # fmt: skip
+                   for feature_map in ("elu", second_feature_map(encoding))]  # fmt: skip
 COMPILED_LAYERS += [("lrpe_orthogonal", "hedgehog"), ("none", "t2r")]  # the learnable maps, which linearize uses
 assert {feature_map for _, feature_map in COMPILED_LAYERS} == set(lrpe_hf.FEATURE_MAPS)
 

@@ -6,7 +6,7 @@ padding-free batch (transformers' DataCollatorWithFlattening) equals each docume
 
 import pytest
 import torch
-from conftest import SECOND_FEATURE_MAP, make_layer
+from conftest import make_layer, second_feature_map
 from transformers import DataCollatorWithFlattening
 
 from lrpe_hf import (
@@ -45,7 +45,7 @@ def each_document_alone(layer, x):
 @pytest.mark.parametrize("attention", ["linear", "softmax"])
 @pytest.mark.parametrize("encoding", POSITIONAL_ENCODINGS)
 def test_a_packed_row_equals_each_document_alone(encoding, attention, causal):
-    feature_map = SECOND_FEATURE_MAP[encoding] if attention == "linear" else None
+    feature_map = second_feature_map(encoding) if attention == "linear" else None
     layer = make_layer(encoding, causal=causal, attention=attention, feature_map=feature_map, chunk_size=4)
     x, positions = packed_inputs()
     packed = run(layer, x, position_ids=positions)
@@ -55,7 +55,7 @@ def test_a_packed_row_equals_each_document_alone(encoding, attention, causal):
 @pytest.mark.parametrize("attention", ["linear", "softmax"])
 @pytest.mark.parametrize("encoding", POSITIONAL_ENCODINGS)
 def test_decoding_a_packed_row_token_by_token_equals_the_full_forward(encoding, attention):
-    feature_map = SECOND_FEATURE_MAP[encoding] if attention == "linear" else None
+    feature_map = second_feature_map(encoding) if attention == "linear" else None
     layer = make_layer(encoding, causal=True, attention=attention, feature_map=feature_map, chunk_size=4)
     x, positions = packed_inputs()
     full = run(layer, x, position_ids=positions)

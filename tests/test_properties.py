@@ -2,11 +2,12 @@
 
 import pytest
 import torch
-from conftest import SECOND_FEATURE_MAP, make_layer
+from conftest import make_layer, second_feature_map
 
 from lrpe_hf import FEATURE_MAPS, POSITIONAL_ENCODINGS, LinearAttentionState
+from lrpe_hf.modeling.registry import positional_encoding_entry
 
-RELATIVE = ["none", "rope", "lrpe_unitary", "lrpe_orthogonal", "lrpe_permutation", "permute", "fastrpb"]
+RELATIVE = [encoding for encoding in POSITIONAL_ENCODINGS if positional_encoding_entry(encoding).relative]
 
 
 def inputs(batch=2, tokens=13, hidden=16, seed=0):
@@ -22,7 +23,7 @@ def run(layer, x, **kwargs):
 @pytest.mark.parametrize("attention", ["linear", "softmax"])
 @pytest.mark.parametrize("encoding", POSITIONAL_ENCODINGS)
 def test_token_by_token_decoding_equals_full_forward(encoding, attention):
-    feature_map = SECOND_FEATURE_MAP[encoding] if attention == "linear" else None
+    feature_map = second_feature_map(encoding) if attention == "linear" else None
     layer = make_layer(encoding, causal=True, attention=attention, feature_map=feature_map, chunk_size=4)
     x = inputs()
     mask = torch.ones(2, 13, dtype=torch.bool)
@@ -43,7 +44,7 @@ def test_relative_encodings_ignore_a_constant_shift_of_positions(encoding, atten
         encoding,
         causal=causal,
         attention=attention,
-        feature_map=SECOND_FEATURE_MAP[encoding] if attention == "linear" else None,
+        feature_map=second_feature_map(encoding) if attention == "linear" else None,
     )
     x = inputs()
     positions = torch.arange(13)[None].expand(2, -1)
@@ -93,7 +94,7 @@ def test_future_tokens_do_not_change_past_outputs(encoding, attention):
 @pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
 @pytest.mark.parametrize("encoding", POSITIONAL_ENCODINGS)
 def test_padded_batch_equals_each_sequence_alone(encoding, causal):
-    layer = make_layer(encoding, causal=causal, feature_map=SECOND_FEATURE_MAP[encoding], chunk_size=4)
+    layer = make_layer(encoding, causal=causal, feature_map=second_feature_map(encoding), chunk_size=4)
     x = inputs(batch=3, tokens=10)
     lengths = [10, 7, 4]
     mask = torch.zeros(3, 10, dtype=torch.bool)

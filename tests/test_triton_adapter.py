@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SECOND_FEATURE_MAP, make_layer
+from conftest import make_layer, second_feature_map
 from reference import reference_attention
 from triton_interpreter import interpreted_fla_kernels, why_not_available
 
@@ -271,7 +271,7 @@ def test_every_encodings_layer_on_the_triton_path(triton_path_on_the_cpu, encodi
     gates, PermuteFormer's decay, the unrotated denominator among them): padding and packed documents, forward and
     gradients against the torch path (the same weights); a single document against the O(N^2) formula; prefill
     then decoding against the full forward."""
-    feature_map = SECOND_FEATURE_MAP[encoding]
+    feature_map = second_feature_map(encoding)
     layer, torch_layer = (layer_on(backend, encoding, feature_map) for backend in ("triton", "torch"))
     x, mask, positions = packed_inputs()
     out, grads = forward_and_gradients(layer, x, attention_mask=mask, position_ids=positions)

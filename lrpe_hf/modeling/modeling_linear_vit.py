@@ -16,6 +16,7 @@ from .context_parallel import refuse_in_context_parallel
 from .forward_arguments import check_extra_arguments
 from .label_checks import check_sequence_labels
 from .positional_absolute import LearnedPositionEmbedding, SinusoidalPositionEmbedding
+from .registry import positional_encoding_entry
 from .transformer_layer import Dropout
 from .transformer_stack import LinearPreTrainedModel, LinearTransformerStack
 
@@ -108,13 +109,15 @@ class LinearViTEmbeddings(nn.Module):
         return torch.cat([table[:, :1], resized], dim=1)
 
     def check_bias_table_covers(self, height: int, width: int):
-        """FastRPB learns one bias per patch distance, up to those of an ``image_size`` image."""
-        if self.config.positional_encoding != "fastrpb":
+        """An encoding that learns one weight per distance (FastRPB: a bias per patch distance) covers those of an
+        ``image_size`` image."""
+        encoding = self.config.positional_encoding
+        if not positional_encoding_entry(encoding).needs_max_positions:
             return
         size, p = self.config.image_size, self.config.patch_size
         if max(height, width) > size:
             raise ValueError(
-                f"fastrpb learns one bias per distance between patches, up to those of {size}x{size} images "
+                f"{encoding} learns one weight per distance between patches, up to those of {size}x{size} images "
                 f"(image_size={size}); got {height}x{width}. Resize the images to at most {size} pixels a side, or "
                 f"build the model with image_size >= {max(height, width)} (a multiple of patch_size={p})"
             )

@@ -63,6 +63,8 @@ class PositionalEncodingEntry:
         default_feature_map: the feature map its paper pairs it with, used when ``feature_map`` is not set.
         causal_only: it weighs keys by how far back they are (a ``log_decay``), so a bidirectional config
             (LinearRoberta, LinearViT) is refused when built.
+        relative: the attention depends on positions only through their differences, exactly (shifting every
+            position changes nothing); SPE's random codes are relative in expectation only.
     """
 
     builder: Callable
@@ -74,6 +76,7 @@ class PositionalEncodingEntry:
     query_key_dim: Callable | None = None
     default_feature_map: str = "elu"
     causal_only: bool = False
+    relative: bool = True
 
     def width_of_queries_and_keys(self, options, head_dim: int) -> int:
         return self.query_key_dim(options, head_dim) if self.query_key_dim else head_dim
@@ -147,6 +150,7 @@ def register_positional_encoding(
     query_key_dim: Callable | None = None,
     default_feature_map: str = "elu",
     causal_only: bool = False,
+    relative: bool = True,
     overwrite: bool = False,
 ):
     """Make ``positional_encoding=name`` available to every config, layer and model family.
@@ -154,7 +158,8 @@ def register_positional_encoding(
     ``builder(options, num_heads, head_dim, feature_dim)`` returns a ``PositionalEncoding``. The default
     normalisation is ``unrotated_denominator`` for encodings with signed features and ``denominator`` otherwise;
     ``default_feature_map`` is used when a config leaves ``feature_map`` unset; ``causal_only=True`` (an encoding that
-    decays with distance) makes bidirectional configs refuse it when built.
+    decays with distance) makes bidirectional configs refuse it when built; ``relative=False`` says that shifting
+    every position changes its attention (the tests check the shift for the others).
     """
     _check_new_name("positional encoding", name, POSITIONAL_ENCODING_REGISTRY, overwrite)
     if default_normalization is None:
@@ -173,6 +178,7 @@ def register_positional_encoding(
         query_key_dim,
         default_feature_map,
         causal_only,
+        relative,
     )
 
 
@@ -267,12 +273,14 @@ register_positional_encoding(
     StochasticPositionalEncoding.from_options,
     build_shared=SineSPECodes.from_options,
     query_key_dim=spe_width,
+    relative=False,  # in expectation over its random codes only
 )
 register_positional_encoding(
     "spe_conv",
     StochasticPositionalEncoding.from_options,
     build_shared=ConvSPECodes.from_options,
     query_key_dim=spe_width,
+    relative=False,  # in expectation over its random codes only
 )
 register_positional_encoding(  # with its paper's shift-invariant kernel, SIKF
     "fastrpb", FastRelativePositionBias.from_options, needs_max_positions=True, default_feature_map="exp"

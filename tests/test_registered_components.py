@@ -1,0 +1,100 @@
+"""A component added by the documented route (docs/extending.md: its module, one registration) runs through the
+generic sweep: a toy relative encoding (RoPE on every other feature pair) and a toy feature map (softplus),
+registered for this module's tests only, through the invariance tests every built-in encoding passes
+(tests/test_properties.py, called with the toys' names), a model's generate and a save and reload. A new built-in
+gets the same tests from the registry's names, with no list to update."""
+
+import pytest
+import test_properties as properties
+import torch
+from torch.nn import functional as F
+
+import lrpe_hf
+from lrpe_hf.modeling.registry import FEATURE_MAP_REGISTRY, POSITIONAL_ENCODING_REGISTRY
+
+TOY_ENCODING, TOY_MAP = "toy_every_other_pair_rope", "toy_softplus"
+
+
+class EveryOtherPairRotation(lrpe_hf.PositionalEncoding):
+    """Rotates feature pairs 0, 2, 4, ... by position x 10000^(-i / pairs); the odd pairs stay as they are."""
+
+    def __init__(self, feature_dim: int):
+        super().__init__()
+        self.pairs = feature_dim // 2
+        self.register_initial_values()
+
+    def initial_values(self):
+        index = torch.arange(self.pairs, dtype=torch.float64)
+        return {"frequencies": torch.where(index % 2 == 0, 10000.0 ** (-index / self.pairs), 0.0)}
+
+    def encode_features(self, q, k, positions):
+        angles = positions[:, None, :, :1].to(self.frequencies.dtype) * self.frequencies  # (B, 1, N, pairs)
+        return rotated(q, angles), rotated(k, angles)
+
+
+def rotated(x, angles):
+    """x (B, H, N, 2 x pairs) with pair i turned by angles[..., i]."""
+    pairs = x.unflatten(-1, (-1, 2))
+    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    first, second = pairs[..., 0], pairs[..., 1]
+    return torch.stack([first * cos - second * sin, first * sin + second * cos], dim=-1).flatten(-2)
+
+
+class Softplus(lrpe_hf.FeatureMap):
+    def forward(self, x):
+        return F.softplus(x)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def registered_toys():
+    lrpe_hf.register_positional_encoding(
+        TOY_ENCODING, lambda options, heads, head_dim, width: EveryOtherPairRotation(width), signed_features=True,
+        supports_2d=False,
+    )  # fmt: skip
+    lrpe_hf.register_feature_map(TOY_MAP, lambda options, width: Softplus(width), positive=True)
+    yield
+    POSITIONAL_ENCODING_REGISTRY.pop(TOY_ENCODING)
+    FEATURE_MAP_REGISTRY.pop(TOY_MAP)
+
+
+@pytest.mark.parametrize("attention", ["linear", "softmax"])
+def test_the_toy_encoding_passes_the_invariances(attention):
+    properties.test_token_by_token_decoding_equals_full_forward(TOY_ENCODING, attention)
+    properties.test_future_tokens_do_not_change_past_outputs(TOY_ENCODING, attention)
+    for causal in (False, True):
+        properties.test_relative_encodings_ignore_a_constant_shift_of_positions(TOY_ENCODING, attention, causal)
+        if attention == "linear":
+            properties.test_padded_batch_equals_each_sequence_alone(TOY_ENCODING, causal)
+
+
+@pytest.mark.parametrize("encoding", [TOY_ENCODING, "none", "rope"])
+def test_the_toy_feature_map_trains_with_encodings(encoding):
+    properties.test_every_encoding_with_every_feature_map_trains(encoding, TOY_MAP)
+
+
+def test_the_shift_check_sees_the_toy_rotation():
+    """The toys are not the identity: the rotation moves the output against the plain layer, and the map too."""
+    x = properties.inputs()
+    plain = lrpe_hf.LinearAttention(16, 2, feature_map="relu").double().eval()
+    toy = lrpe_hf.LinearAttention(16, 2, positional_encoding=TOY_ENCODING, feature_map="relu").double().eval()
+    toy.load_state_dict(plain.state_dict(), strict=False)
+    assert not torch.allclose(toy(x), plain(x))
+
+
+def test_a_model_with_the_toys_generates_and_reloads(tmp_path):
+    config = lrpe_hf.LinearGPTConfig(
+        vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        positional_encoding=TOY_ENCODING, feature_map=TOY_MAP,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = lrpe_hf.LinearGPTForCausalLM(config).eval()
+    ids = torch.randint(3, 50, (2, 7), generator=torch.Generator().manual_seed(0))
+    generated = model.generate(ids, max_new_tokens=4, do_sample=False)
+    model.save_pretrained(tmp_path)
+    loaded = lrpe_hf.LinearGPTForCausalLM.from_pretrained(tmp_path).eval()
+    torch.testing.assert_close(loaded(generated).logits, model(generated).logits, rtol=0, atol=0)
+    # greedy decoding with the cache equals the argmax of one forward over the generated tokens
+    logits = model(generated).logits
+    torch.testing.assert_close(generated[:, 7:], logits[:, 6:-1].argmax(-1))
+    with pytest.raises(ValueError, match=TOY_ENCODING):
+        lrpe_hf.LinearViTConfig(positional_encoding=TOY_ENCODING)
