@@ -138,8 +138,9 @@ GPU_PYTHON ?= python3
 GPU_OUT ?= out/gpu_check
 
 gpu-check:
-	GPU_CHECK_COMMIT=$$(git rev-parse HEAD 2>/dev/null) PYTHONPATH=$(CURDIR):$$PYTHONPATH $(GPU_PYTHON) \
-		benchmarks/gpu_check.py --out $(GPU_OUT)
+	GPU_CHECK_COMMIT=$${GPU_CHECK_COMMIT:-$$(git rev-parse HEAD 2>/dev/null)} \
+	GPU_CHECK_SOURCE_HASH=$${GPU_CHECK_SOURCE_HASH:-$$($(GPU_PYTHON) -m lrpe_hf.training.provenance 2>/dev/null)} \
+		PYTHONPATH=$(CURDIR):$$PYTHONPATH $(GPU_PYTHON) benchmarks/gpu_check.py --out $(GPU_OUT)
 
 gpu-check-dry-run: install
 	$(PYTHON) benchmarks/gpu_check.py --dry-run --out $(GPU_OUT)-dry-run

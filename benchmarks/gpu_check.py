@@ -50,8 +50,10 @@ parts (a result does not depend on the tiling); ``--full-autotune`` keeps fla's 
 
 A benchmark stopped before its end (a crash, its time limit) leaves the rows it printed in
 ``<part>_rows_before_stop.csv``. ``record.json`` (the docs' provenance format) holds the command, the commit (where
-the machine's copy of the tree has no git history, ``--commit`` or ``GPU_CHECK_COMMIT``: the caller's word that it
-is a clean copy of that commit), the device, driver and versions (torch, Triton, fla-core, transformers), the
+the machine's copy of the tree has no git history, ``--commit`` or ``GPU_CHECK_COMMIT``, the commit it is a copy
+of), the copy's source hash (``provenance.working_source_hash``) and whether it is clean: its hash equals the
+commit's, given as ``--commit-source-hash`` or ``GPU_CHECK_SOURCE_HASH`` from a checkout (``make gpu-check`` computes
+both where git is), the device, driver and versions (torch, Triton, fla-core, transformers), the
 candidates kept per kernel and each part's status and seconds. Everything is packed into ``gpu_check.tar.gz``
 beside the folder's files, one file to bring back.
 """
@@ -558,8 +560,13 @@ def write_check_record(args, facts: dict):
 
     files = sorted(path.name for path in args.out.glob("*.csv"))
     entry = provenance.invocation(args.out, "cuda" if not args.dry_run else "cpu", **facts)
-    if entry["commit"] is None and args.commit:  # a copy without git history: the caller's word, checked clean
-        entry["commit"], entry["clean"] = args.commit, True
+    entry["source_hash"] = provenance.working_source_hash(ROOT)
+    if entry["commit"] is None and args.commit:  # a copy without git history: clean where its source is the commit's
+        expected = args.commit_source_hash
+        entry["commit"], entry["clean"] = args.commit, expected == entry["source_hash"]
+        if not entry["clean"]:
+            why = "no source hash of the commit given" if not expected else f"the commit's source hash is {expected}"
+            entry["changes"] = [f"source hash {entry['source_hash']} not checked against the commit: {why}"]
     record = dict(written_by="benchmarks/gpu_check.py", files=files, invocations=[entry])
     (args.out / "record.json").write_text(json.dumps(record, indent=2) + "\n")
 
@@ -572,7 +579,12 @@ def main():
     parser.add_argument("--full-autotune", action="store_true", help="let fla's kernels try all their configurations")
     parser.add_argument(
         "--commit", default=os.environ.get("GPU_CHECK_COMMIT"),
-        help="where the machine's copy of the tree has no git history: the commit it is a copy of, checked clean",
+        help="where the machine's copy of the tree has no git history: the commit it is a copy of",
+    )  # fmt: skip
+    parser.add_argument(
+        "--commit-source-hash", default=os.environ.get("GPU_CHECK_SOURCE_HASH"),
+        help="with --commit: the commit's source hash (python -m lrpe_hf.training.provenance COMMIT, where git "
+        "is); the record is clean only where the copy's own hash equals it",
     )  # fmt: skip
     parser.add_argument("--child", choices=list(PARTS), help=argparse.SUPPRESS)  # one part, run by the parent
     parser.add_argument("--fla-shapes-from", type=int, help=argparse.SUPPRESS)  # part_fla_shapes' runner

@@ -376,3 +376,38 @@ def test_host_cost_benchmark_times_every_model_in_turn_and_counts_reads_and_ops(
     with open(tmp_path / "host_cost_rounds.csv") as f:
         assert len(list(csv.DictReader(f))) == 2 * 2 * len(models)
     assert (tmp_path / "host_cost.json").exists()
+
+
+def test_the_gpu_checks_record_is_clean_only_where_its_source_hash_is_the_commits(tmp_path, monkeypatch):
+    """A GPU machine's copy of the tree has no git history: the record says clean only where the copy's source hash
+    (computed there) equals the commit's (computed from git here), never on the caller's word."""
+    import argparse
+
+    from lrpe_hf.training import provenance
+
+    sys.path.insert(0, str(BENCHMARKS))
+    gpu_check = importlib.import_module("gpu_check")
+    monkeypatch.setattr(provenance, "working_tree", lambda output_dir: (None, None, []))  # no git there
+    here = provenance.working_source_hash()
+    for given, clean in [(here, True), ("0" * 64, False), (None, False)]:
+        args = argparse.Namespace(out=tmp_path, dry_run=True, commit="a" * 40, commit_source_hash=given)
+        gpu_check.write_check_record(args, {})
+        (entry,) = json.loads((tmp_path / "record.json").read_text())["invocations"]
+        assert entry["commit"] == "a" * 40 and entry["source_hash"] == here and entry["clean"] is clean
+        assert bool(entry["changes"]) is not clean
+
+
+def test_a_commits_source_hash_is_its_checkouts():
+    """The hash of HEAD's files read from git equals the hash of the files on disk where no source file changed
+    (a clean clone, as CI's); a changed source file changes it."""
+    from lrpe_hf.training import provenance
+
+    status = provenance.git("status", "--porcelain")
+    if status is None:
+        pytest.skip("not a git checkout")
+    if any(provenance.is_source(line[3:].strip('"')) for line in status.splitlines()):
+        pytest.skip("source files changed in this checkout")
+    assert provenance.committed_source_hash("HEAD") == provenance.working_source_hash()
+    files = {"lrpe_hf/a.py": b"x = 1\n", "README.md": b"text"}
+    assert provenance.source_hash(files) != provenance.source_hash({**files, "lrpe_hf/a.py": b"x = 2\n"})
+    assert provenance.source_hash(files) == provenance.source_hash({**files, "README.md": b"other"})

@@ -40,6 +40,53 @@ def git(*args: str) -> str | None:
     return done.stdout if done.returncode == 0 else None
 
 
+# What a copy of the tree without git history (a GPU machine's) is checked against its commit by: the code that runs
+SOURCE_FOLDERS = ("lrpe_hf", "benchmarks", "run_scripts", "tests")
+SOURCE_FILES = ("setup.cfg", "pyproject.toml", "Makefile")
+
+
+def is_source(path: str) -> bool:
+    """Whether a path (relative, posix) is part of the source hash: a Python file under ``SOURCE_FOLDERS``, or one
+    of ``SOURCE_FILES``."""
+    return path in SOURCE_FILES or (path.endswith(".py") and path.split("/")[0] in SOURCE_FOLDERS)
+
+
+def source_hash(files: dict[str, bytes]) -> str:
+    """sha256 over the sorted (path, content) pairs of the source files among ``files``."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for path in sorted(p for p in files if is_source(p)):
+        digest.update(path.encode() + b"\0" + hashlib.sha256(files[path]).digest())
+    return digest.hexdigest()
+
+
+def working_source_hash(root: Path = ROOT) -> str:
+    """The source hash of the files on disk under ``root`` (caches and virtual environments aside)."""
+    files = {}
+    for folder in SOURCE_FOLDERS:
+        for path in sorted((root / folder).rglob("*.py")):
+            if "__pycache__" not in path.parts:
+                files[path.relative_to(root).as_posix()] = path.read_bytes()
+    for name in SOURCE_FILES:
+        if (root / name).exists():
+            files[name] = (root / name).read_bytes()
+    return source_hash(files)
+
+
+def committed_source_hash(commit: str = "HEAD") -> str | None:
+    """The source hash of ``commit``'s files (read from git), or None outside a git checkout."""
+    listing = git("ls-tree", "-r", "--name-only", commit)
+    if listing is None:
+        return None
+    files = {}
+    for path in listing.splitlines():
+        if is_source(path):
+            done = subprocess.run(["git", "-C", str(ROOT), "show", f"{commit}:{path}"], capture_output=True)
+            files[path] = done.stdout
+    return source_hash(files)
+
+
 def working_tree(output_dir: Path) -> tuple[str | None, bool | None, list[str]]:
     """(the HEAD commit, whether the tree is clean outside ``output_dir``, the changed paths there), or
     (None, None, []) outside a git checkout."""
@@ -171,3 +218,7 @@ def record_of(csv_path) -> Path | None:
         if isinstance(record, dict) and csv_path.name in record.get("files", []):
             return candidate
     return None
+
+
+if __name__ == "__main__":  # python -m lrpe_hf.training.provenance [COMMIT]: that commit's source hash
+    print(committed_source_hash(sys.argv[1] if len(sys.argv) > 1 else "HEAD"))
