@@ -48,7 +48,9 @@ SOURCE_FILES = ("setup.cfg", "pyproject.toml", "Makefile")
 def is_source(path: str) -> bool:
     """Whether a path (relative, posix) is part of the source hash: a Python file under ``SOURCE_FOLDERS``, or one
     of ``SOURCE_FILES``."""
-    return path in SOURCE_FILES or (path.endswith(".py") and path.split("/")[0] in SOURCE_FOLDERS)
+    parts = path.split("/")
+    in_folder = path.endswith(".py") and parts[0] in SOURCE_FOLDERS and not any(p.startswith(".") for p in parts)
+    return path in SOURCE_FILES or in_folder
 
 
 def source_hash(files: dict[str, bytes]) -> str:
@@ -62,11 +64,13 @@ def source_hash(files: dict[str, bytes]) -> str:
 
 
 def working_source_hash(root: Path = ROOT) -> str:
-    """The source hash of the files on disk under ``root`` (caches and virtual environments aside)."""
+    """The source hash of the files on disk under ``root`` (caches and hidden folders, e.g. a fetched test harness,
+    aside)."""
     files = {}
     for folder in SOURCE_FOLDERS:
         for path in sorted((root / folder).rglob("*.py")):
-            if "__pycache__" not in path.parts:
+            inside = path.relative_to(root).parts
+            if "__pycache__" not in inside and not any(part.startswith(".") for part in inside):
                 files[path.relative_to(root).as_posix()] = path.read_bytes()
     for name in SOURCE_FILES:
         if (root / name).exists():
