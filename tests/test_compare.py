@@ -326,3 +326,32 @@ def test_an_encoding_in_its_authors_setup_builds_the_authors_model(tmp_path):
     image = compare.resolve(compare.CompareArguments(task="image", encodings="lrpe_unitary@authors"))
     with pytest.raises(ValueError, match="LinearViTConfig has no field embedding_multiplier"):
         compare.check_configs(compare.plan_runs(image))
+
+
+def test_each_change_of_the_authors_setup_runs_alone(tmp_path):
+    """``lrpe_orthogonal@output_layer_norm``, ``@embedding_multiplier`` and ``@sinusoidal`` each change one field of
+    the default model, the one the authors' setup changes, and leave the others at the default's."""
+    from lrpe_hf import LinearGPTConfig
+    from lrpe_hf.training.arguments import ModelArguments, build_config
+    from lrpe_hf.training.compare_tasks import model_arguments
+
+    names = "lrpe_orthogonal,lrpe_orthogonal@output_layer_norm,lrpe_orthogonal@embedding_multiplier,"
+    names += "lrpe_orthogonal@sinusoidal"
+    settings = compare.resolve(compare.CompareArguments(task="clm", encodings=names, hidden_size=64,
+                                                        output_dir=str(tmp_path)))  # fmt: skip
+    configs = {}
+    for run in compare.plan_runs(settings)[:4]:
+        (parsed,) = compare.HfArgumentParser(ModelArguments).parse_args_into_dataclasses(
+            args=[str(a) for a in model_arguments(run)]
+        )
+        configs[run["encoding"]] = build_config(parsed, LinearGPTConfig)
+    fields = ("normalization", "embedding_multiplier", "absolute_position_embedding")
+    default = {field: getattr(configs["lrpe_orthogonal"], field) for field in fields}
+    assert default["embedding_multiplier"] == 1.0 and default["absolute_position_embedding"] == "none"
+    changed = {"output_layer_norm": ("normalization", "output_layer_norm"),
+               "embedding_multiplier": ("embedding_multiplier", 8.0),
+               "sinusoidal": ("absolute_position_embedding", "sinusoidal")}  # fmt: skip
+    for change, (field, value) in changed.items():
+        config = configs[f"lrpe_orthogonal@{change}"]
+        assert getattr(config, field) == value
+        assert {f: getattr(config, f) for f in fields if f != field} == {f: default[f] for f in fields if f != field}

@@ -11,7 +11,8 @@ Encodings: any registered ``positional_encoding`` (``lrpe_hf.POSITIONAL_ENCODING
 ``learned`` (no relative encoding, that absolute embedding); ``softmax:<name>`` (quadratic softmax attention with
 that encoding; feature maps do not apply); ``<name>@authors`` (the LRPE types in the model their authors' code
 builds: output LayerNorm instead of the unrotated denominator, token embeddings scaled by sqrt(d), sinusoidal
-absolute positions; ``presets.AUTHORS_SETUPS``). ``none`` is no position at all. Without ``--feature_maps`` each
+absolute positions; ``presets.AUTHORS_SETUPS``); ``<name>@output_layer_norm``, ``@embedding_multiplier`` or
+``@sinusoidal`` (one of those changes alone). ``none`` is no position at all. Without ``--feature_maps`` each
 encoding gets the feature map its config picks by default (its paper's: relu for permute, exp for fastrpb).
 
 Tasks: ``clm`` (LinearGPT, validation perplexity), ``mlm`` (LinearRoberta masked-LM pretraining, then fine-tuning
@@ -97,7 +98,7 @@ from ..modeling.registry import POSITIONAL_ENCODINGS, positional_encoding_entry
 from . import compare_report
 from .arguments import ModelArguments, build_config
 from .compare_tasks import ABSOLUTE_BASELINES, RUNNERS, as_strings, execute_run, load_result, model_arguments
-from .presets import AUTHORS_SETUP_SUFFIX, AUTHORS_SETUPS, PRESETS, split_setup
+from .presets import AUTHORS_SETUPS, PRESETS, SETUP_NAMES, split_setup
 from .provenance import Record
 from .tokenizer import TokenizerArguments, train_tokenizer
 from .verdicts import baseline_comparisons
@@ -237,7 +238,8 @@ class CompareArguments:
     encodings: str | None = field(
         default=None,
         metadata=help_for(
-            "comma-separated: registered names, sinusoidal, learned, softmax:<name>, <lrpe type>@authors"
+            "comma-separated: registered names, sinusoidal, learned, softmax:<name>, <lrpe type>@authors (or "
+            "@output_layer_norm, @embedding_multiplier, @sinusoidal: one of the authors' changes alone)"
         ),
     )
     feature_maps: str | None = field(
@@ -297,8 +299,8 @@ def split_names(text: str) -> list[str]:
 def encoding_names() -> list[str]:
     """Every valid ``--encodings`` name."""
     plain = [*POSITIONAL_ENCODINGS, *ABSOLUTE_BASELINES]
-    authors = [name + AUTHORS_SETUP_SUFFIX for name in AUTHORS_SETUPS]
-    return plain + authors + [f"softmax:{name}" for name in plain]
+    setups = [f"{name}@{setup}" for name in AUTHORS_SETUPS for setup in SETUP_NAMES]
+    return plain + setups + [f"softmax:{name}" for name in plain]
 
 
 def embedded(relative: str) -> str:

@@ -68,8 +68,9 @@ def model_arguments(run: dict) -> list[str]:
     if run["task"] != "image":  # learned tables and FastRPB's span cover the longest evaluation length
         args += ["--max_position_embeddings", max([s["block_size"], *s.get("eval_lengths", [])])]
     overrides = parse_config_overrides(s["config_overrides"])
-    if setup:  # the sweep's --config_overrides win over the authors' setup
-        overrides = {**AUTHORS_SETUPS[encoding](overrides.get("hidden_size", s["hidden_size"])), **overrides}
+    if setup:  # the sweep's --config_overrides win over the authors' setup or change
+        hidden_size = overrides.get("hidden_size", s["hidden_size"])
+        overrides = {**AUTHORS_SETUPS[encoding](setup.removeprefix("@"), hidden_size), **overrides}
     if overrides:
         args += ["--config_overrides", json.dumps(overrides)]
     return args

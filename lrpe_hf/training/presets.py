@@ -24,18 +24,29 @@ class Claim:
 # (docs/results.md, "Each encoding's defaults"): the config fields, given the model's hidden size. The LRPE
 # authors normalise the attention output with one LayerNorm over the hidden width, scale token embeddings by
 # sqrt(d) and keep sinusoidal absolute positions; the library's LRPE divides by RoFormer's unrotated denominator.
+# "<encoding>@<change>" makes one of those changes alone, to tell which of them costs what.
 AUTHORS_SETUP_SUFFIX = "@authors"
 
 
-def lrpe_authors_setup(hidden_size: int) -> dict:
+def lrpe_authors_changes(hidden_size: int) -> dict[str, dict]:
+    """Each change of the LRPE authors' setup from the library's default, by name: its config fields."""
     return dict(
-        normalization="output_layer_norm",
-        embedding_multiplier=hidden_size**0.5,
-        absolute_position_embedding="sinusoidal",
+        output_layer_norm=dict(normalization="output_layer_norm"),
+        embedding_multiplier=dict(embedding_multiplier=hidden_size**0.5),
+        sinusoidal=dict(absolute_position_embedding="sinusoidal"),
     )
 
 
-AUTHORS_SETUPS = {name: lrpe_authors_setup for name in ("lrpe_unitary", "lrpe_orthogonal", "lrpe_permutation")}
+def lrpe_setup(setup: str, hidden_size: int) -> dict:
+    """The config fields of ``setup``: "authors" (every change at once) or one change's name."""
+    changes = lrpe_authors_changes(hidden_size)
+    if setup == "authors":
+        return {field: value for change in changes.values() for field, value in change.items()}
+    return changes[setup]
+
+
+AUTHORS_SETUPS = {name: lrpe_setup for name in ("lrpe_unitary", "lrpe_orthogonal", "lrpe_permutation")}
+SETUP_NAMES = ("authors", *lrpe_authors_changes(1))
 
 
 def split_setup(encoding: str) -> tuple[str, str]:
