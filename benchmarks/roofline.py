@@ -38,21 +38,8 @@ import sys
 from pathlib import Path
 
 import torch
-from count_ops import (
-    FLA_CHUNK,
-    FLA_LAUNCHES,
-    GPT2,
-    SIZE,
-    STAND_IN_CALLS,
-    _inside_stand_in,
-    build,
-    computes,
-    fla_path,
-    markdown,
-    one_block,
-    shape_kernels,
-    write_csv,
-)
+from count_ops import GPT2, SIZE, build, computes, markdown, one_block, write_csv
+from fla_stand_ins import FLA_CHUNK, FLA_LAUNCHES, STAND_IN_CALLS, _inside_stand_in, fla_path, shape_kernels
 from measure import write_provenance
 from torch.utils._python_dispatch import TorchDispatchMode
 

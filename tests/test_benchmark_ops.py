@@ -13,6 +13,7 @@ import lrpe_hf
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 count_ops = importlib.import_module("count_ops")
+fla_stand_ins = importlib.import_module("fla_stand_ins")
 roofline = importlib.import_module("roofline")
 
 TINY = dict(layers=2, hidden=32, heads=2, ffn=128, vocab=64)  # ffn = 4 x hidden, as GPT-2's
@@ -148,7 +149,7 @@ def test_a_padded_train_step_on_fla_s_path_reads_nothing_on_the_host_per_layer(n
         monkeypatch.setattr(torch.Tensor, method, lambda self, original=original: reads.append(1) or original(self))
 
     def step_reads(layers):
-        with count_ops.one_block(), count_ops.fla_path(count_ops.on_fla(name)):
+        with count_ops.one_block(), fla_stand_ins.fla_path(fla_stand_ins.on_fla(name)):
             model = count_ops.build(name, layers, 64, TINY)
             ids = torch.randint(0, TINY["vocab"], (2, 40))
             mask = torch.ones(2, 40, dtype=torch.long)
@@ -174,22 +175,22 @@ def test_the_fla_path_reaches_every_device_test():
     q = torch.zeros(1, 2, 3, 4)
     modules = [m for n, m in sys.modules.items() if n.startswith("lrpe_hf.") and hasattr(m, "on_kernel_device")]
     assert len(modules) >= 4  # products_triton's, and attention_kernels', kernel_attention's, feature_maps' by name
-    with count_ops.fla_path(count_ops.reference_kernels()):
+    with fla_stand_ins.fla_path(fla_stand_ins.reference_kernels()):
         assert all(module.on_kernel_device(q) for module in modules)
     assert not any(module.on_kernel_device(q) for module in modules)
 
 
 def test_the_fla_path_counts_fla_launches_and_computes_what_the_torch_path_does():
     fla = count_ops.op_counts("train", "none+fla", TINY)
-    assert fla["by_name"]["fla::chunk_simple_gla"] == count_ops.FLA_LAUNCHES["forward"]
-    assert fla["by_name"]["fla::chunk_simple_gla_backward"] == count_ops.FLA_LAUNCHES["backward"]
-    assert fla["product_per_layer"] >= sum(count_ops.FLA_LAUNCHES.values())
+    assert fla["by_name"]["fla::chunk_simple_gla"] == fla_stand_ins.FLA_LAUNCHES["forward"]
+    assert fla["by_name"]["fla::chunk_simple_gla_backward"] == fla_stand_ins.FLA_LAUNCHES["backward"]
+    assert fla["product_per_layer"] >= sum(fla_stand_ins.FLA_LAUNCHES.values())
     gated = count_ops.op_counts("train", "fastrpb+fla", TINY)  # the exp map's running maximum: per-token gates
     launches = gated["by_name"]["fla::chunk_simple_gla"]  # each call's kernels and the gates' cumsum
-    assert launches > 0 and launches % (count_ops.FLA_LAUNCHES["forward"] + 1) == 0
+    assert launches > 0 and launches % (fla_stand_ins.FLA_LAUNCHES["forward"] + 1) == 0
     losses, grads = [], []
     for name in ("none", "none+fla"):
-        with count_ops.fla_path(count_ops.on_fla(name)):
+        with fla_stand_ins.fla_path(fla_stand_ins.on_fla(name)):
             model = count_ops.build(name, 2, 64, TINY).eval()  # eval: no dropout
             ids = torch.randint(0, TINY["vocab"], (1, 40), generator=torch.Generator().manual_seed(0))
             loss = model(input_ids=ids, labels=ids).loss

@@ -114,11 +114,16 @@ def test_readme_long_document_snippet_runs_with_a_local_teacher(workspace, tmp_p
 
 
 def test_python_m_lrpe_hf_lists_the_scripts():
+    """``lrpe_hf.__main__.SCRIPTS`` is the one list of scripts: ``python -m lrpe_hf`` lists each, and run_scripts/
+    holds one file of the same name for each, and no other."""
+    from lrpe_hf.__main__ import SCRIPTS
+
     result = subprocess.run([sys.executable, "-m", "lrpe_hf", "--help"], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0
-    for script in ("train_tokenizer", "run_mlm", "run_clm", "run_glue", "run_image_classification", "run_linearize"):
-        assert script in result.stdout
+    for script in SCRIPTS:
+        assert f"  {script} " in result.stdout
     assert not result.stderr  # no warning on the way
+    assert {path.stem for path in (ROOT / "run_scripts").glob("*.py")} == set(SCRIPTS)
 
 
 def test_python_m_lrpe_hf_lists_the_scripts_without_importing_the_training_stack():
