@@ -174,7 +174,7 @@ def test_the_fla_path_reaches_every_device_test():
     """Every module of the library that tests for fla's device (imported by name where it is used) is told yes."""
     q = torch.zeros(1, 2, 3, 4)
     modules = [m for n, m in sys.modules.items() if n.startswith("lrpe_hf.") and hasattr(m, "on_kernel_device")]
-    assert len(modules) >= 4  # products_triton's, and attention_kernels', kernel_attention's, feature_maps' by name
+    assert len(modules) >= 2  # products_triton's, and the backend table's (products_dispatch) by name
     with fla_stand_ins.fla_path(fla_stand_ins.reference_kernels()):
         assert all(module.on_kernel_device(q) for module in modules)
     assert not any(module.on_kernel_device(q) for module in modules)

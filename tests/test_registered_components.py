@@ -98,3 +98,38 @@ def test_a_model_with_the_toys_generates_and_reloads(tmp_path):
     torch.testing.assert_close(generated[:, 7:], logits[:, 6:-1].argmax(-1))
     with pytest.raises(ValueError, match=TOY_ENCODING):
         lrpe_hf.LinearViTConfig(positional_encoding=TOY_ENCODING)
+
+
+def test_a_registered_product_backend_is_chosen_by_name_and_by_auto():
+    """The causal product's backends are a table: a third one registers with its why_not, run and serves, is taken
+    by kernel_backend=<its name> (refused with its reason where it cannot run) and by auto before torch, and gives
+    the torch path's values (it delegates to it here, counting its calls)."""
+    from lrpe_hf.modeling import products_dispatch
+    from lrpe_hf.modeling.products_dispatch import CAUSAL_PRODUCT_BACKENDS, CausalProductBackend
+
+    calls = []
+
+    def run(*arguments):
+        calls.append(1)
+        return products_dispatch.torch_run(*arguments)
+
+    def why_not(q, v, dtype, gated_backward):
+        return None if dtype == torch.float64 else "it computes in float64 only"
+
+    backend = CausalProductBackend(why_not=why_not, run=run, serves=lambda x: False)
+    products_dispatch.register_causal_product_backend("toy_float64", backend)
+    try:
+        x = properties.inputs()
+        reference = lrpe_hf.LinearAttention(16, 2, causal=True, kernel_backend="torch").double().eval()
+        for name in ("toy_float64", "auto"):
+            layer = lrpe_hf.LinearAttention(16, 2, causal=True, kernel_backend=name).double().eval()
+            layer.load_state_dict(reference.state_dict())
+            calls.clear()
+            torch.testing.assert_close(layer(x), reference(x), rtol=0, atol=0)
+            assert calls, name
+        with pytest.raises(ValueError, match="kernel_backend='toy_float64' cannot run.*float64 only"):
+            lrpe_hf.LinearAttention(16, 2, causal=True, kernel_backend="toy_float64")(x.float())
+        with pytest.raises(ValueError, match="valid values: auto, triton, torch, toy_float64"):
+            lrpe_hf.LinearAttention(16, 2, kernel_backend="cuda_of_my_own")
+    finally:
+        CAUSAL_PRODUCT_BACKENDS.pop("toy_float64")

@@ -26,7 +26,7 @@ from reference import reference_attention
 from triton_interpreter import interpreted_fla_kernels, why_not_available
 
 from lrpe_hf import POSITIONAL_ENCODINGS, LinearAttentionState, LinearGPTConfig, LinearGPTForCausalLM
-from lrpe_hf.modeling import kernel_attention, products_triton
+from lrpe_hf.modeling import products_dispatch, products_triton
 from lrpe_hf.modeling.attention_kernels import causal_linear_attention
 
 
@@ -226,7 +226,7 @@ def triton_path_on_the_cpu(fla_calls, monkeypatch):
     """The layers' dispatch takes the Triton path for CPU tensors (only its device check is patched), with
     ``fla_calls``'s kernels as fla's. Yields the calls."""
     kernels, calls = fla_calls
-    for module in (products_triton, kernel_attention):  # (where it was imported by name too)
+    for module in (products_triton, products_dispatch):  # (where it was imported by name too)
         monkeypatch.setattr(module, "on_kernel_device", lambda x: True)
     monkeypatch.setattr(products_triton, "load_fla", lambda: (kernels, None))
     yield calls
@@ -434,7 +434,6 @@ def float32_matmul_precision():
 def test_float32_on_a_gpu_takes_flas_kernels_only_where_tf32_is_allowed(float32_matmul_precision, monkeypatch):
     """fla's kernels multiply float32 in TF32: at torch's default precision ('highest') a float32 product takes the
     torch path on 'auto' and 'triton' says why; with TF32 allowed ('high') fla's kernels take it."""
-    from lrpe_hf.modeling import products_dispatch
 
     calls = []
     original = products_dispatch.fla_causal_product
@@ -464,7 +463,6 @@ def test_the_triton_path_on_a_gpu_matches_the_torch_path(
     """fla's real kernels against the torch path on the same GPU: forward and gradients, with padding and packed
     documents, then prefill and decoding. float32 with TF32 allowed, as fla's kernels need it; 'auto', so that a
     gated backward fla refuses here (Hopper, Triton < 3.7.1) takes the torch path, and fla's kernels run the rest."""
-    from lrpe_hf.modeling import products_dispatch
 
     calls = []
     original = products_dispatch.fla_causal_product

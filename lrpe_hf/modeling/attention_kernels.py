@@ -21,9 +21,8 @@ import torch
 
 from .gradients import wants_gradient
 from .products_custom_op import compiled_causal_product
-from .products_dispatch import eager_causal_product
+from .products_dispatch import eager_causal_product, kernel_backend_serves
 from .products_shared import divide_rows, product_dtype
-from .products_triton import on_kernel_device
 
 
 def bidirectional_linear_attention(q, k, v, documents=None, with_denominator=False, num_documents=None):
@@ -109,7 +108,7 @@ def causal_linear_attention(
     N, dtype = q.shape[2], product_dtype(q, v)
     # Compiled, the product is one opaque op in the graph: over several tokens, and for a decoding step that would
     # call fla's one-step kernel (which fla keeps out of compiled graphs); the torch path's step is plain ops.
-    if torch.compiler.is_compiling() and (N > 1 or backend != "torch" and on_kernel_device(q)):
+    if torch.compiler.is_compiling() and (N > 1 or kernel_backend_serves(q, backend)):
         out, denominator, final = compiled_causal_product(
             q, k, v, log_gates, initial_state, chunk_size, resets, with_denominator, dtype, backend
         )

@@ -7,6 +7,7 @@ instead, and ``eps`` is called ``attention_eps`` in a config.
 
 from dataclasses import asdict, dataclass, field, fields
 
+from .products_dispatch import kernel_backends
 from .registry import (
     FEATURE_MAP_REGISTRY,
     NORMALIZATIONS,
@@ -18,7 +19,6 @@ from .registry import (
 
 ABSOLUTE_POSITION_EMBEDDINGS = ("none", "sinusoidal", "learned")
 ATTENTION_KINDS = ("linear", "softmax")
-KERNEL_BACKENDS = ("auto", "torch", "triton")
 
 
 def option(default, help: str, **metadata):
@@ -136,7 +136,7 @@ class AttentionOptions:
                 raise ValueError(f"permute_decay must be in (0, 1], got {self.permute_decay}")
             if self.permute_decay < 1.0 and not self.causal:
                 raise ValueError("permute_decay < 1 is for causal models (PermuteFormer uses r = 1 bidirectionally)")
-        self._choice("kernel_backend", self.kernel_backend, KERNEL_BACKENDS)
+        self._choice("kernel_backend", self.kernel_backend, kernel_backends())
         if self.chunk_size is not None and self.chunk_size < 1:
             raise ValueError(f"chunk_size must be a positive integer (or None for automatic), got {self.chunk_size}")
         for name in ("spe_realizations", "spe_sines", "spe_kernel_size"):  # dpfp_nu and performer_features: their maps

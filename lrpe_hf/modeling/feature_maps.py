@@ -20,7 +20,7 @@ from torch.autograd.function import once_differentiable
 from torch.nn import functional as F
 
 from .gradients import wants_gradient
-from .products_triton import on_kernel_device
+from .products_dispatch import kernel_backend_serves
 from .reinitialisable import Reinitialisable, seeded_generator
 
 
@@ -214,7 +214,7 @@ class ExponentialFeatureMap(FeatureMap):
         # (the torch path's gated products copy their inputs to this layout once, and keep the copies, unless they
         # are so already); fla's kernels read the projections' tokens-first layout in place
         lq, lk = self.log_features(q), self.log_features(k)
-        if not on_kernel_device(q):
+        if not kernel_backend_serves(q):
             lq, lk = lq.contiguous(), lk.contiguous()
         query_max = lq.amax(-1, keepdim=True).detach()
         fq = (lq - query_max).exp()

@@ -30,8 +30,8 @@ from .feature_maps import FEW_ELEMENTS, FeatureMap, Features
 from .gradients import wants_gradient
 from .positions import document_count
 from .products_chunked import causal_key_sums
+from .products_dispatch import kernel_backend_serves
 from .products_shared import divide_rows, row_dot
-from .products_triton import on_kernel_device
 from .registry import build_feature_map
 
 
@@ -215,7 +215,7 @@ class KernelAttention(nn.Module):
         contiguous in fla's layout, and it would copy each."""
         return (
             q.numel() < FEW_ELEMENTS
-            and (q.shape[0] == 1 or self.kernel_backend == "torch" or not on_kernel_device(q))
+            and (q.shape[0] == 1 or not kernel_backend_serves(q, self.kernel_backend))
             and q.shape == k.shape
             and q.dtype == k.dtype
             and encoding.stacks_features

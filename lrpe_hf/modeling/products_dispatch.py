@@ -1,9 +1,21 @@
-"""The causal product outside compiled graphs: the torch products or fla's Triton kernels, chosen per call.
+"""The causal product outside compiled graphs: a table of backends, one chosen per call.
 
-``attention_kernels.causal_linear_attention`` says what it computes and is the one entry the attention paths call;
+``attention_kernels.causal_linear_attention`` says what it computes and is the entry the attention paths call;
 compiled, it reaches this dispatch through the custom op (``products_custom_op.py``), so the dispatch sits below
 both and imports neither.
+
+Each backend is registered here once (``register_causal_product_backend``) with the three things the rest of the
+library asks of it: whether it can compute a call's product (``why_not``), how (``run``) and whether it serves a
+tensor's device (``serves``: the device question, asked of this table only, through ``kernel_backend_serves``; a
+served device's product reads the projections' tokens-first layout in place, and compiled, a decoding step's
+product stays one op). ``kernel_backend`` names one, or ``auto`` takes the first that can run, in the table's
+order, ``torch`` (which runs everything) last, as transformers picks an attention implementation. A third backend
+(a CUDA kernel of one's own, fla's newer ops) registers before ``torch`` and must pass what fla's does:
+``tests/test_triton_adapter.py`` against the torch path and the O(N^2) reference.
 """
+
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch.nn import functional as F
@@ -12,7 +24,65 @@ from .gradients import wants_gradient
 from .products_chunked import ChunkedCausalProduct
 from .products_gated import gated_chunks, recurrent_step
 from .products_shared import chunk_length, divide_rows, product_dtype
-from .products_triton import can_run, fla_causal_product
+from .products_triton import can_run, fla_causal_product, on_kernel_device
+
+
+@dataclass(frozen=True)
+class CausalProductBackend:
+    """One implementation of the causal product.
+
+    why_not(q, v, dtype, gated_backward): None where it computes this call's product correctly, else the reason;
+        q (B, H, N, m), v (B, H, N, dv), ``dtype`` the product's, ``gated_backward``: per-token gates that will want
+        a gradient.
+    run(q, k, v, log_gates, decay, initial_state, resets, with_denominator, dtype, chunk_size, divide_eps,
+        update_in_place, final_state): (out, denominator or None, final state or None) as ``causal_linear_attention``
+        returns them; ``decay`` (H,) one log decay per head, given instead of per-token ``log_gates``.
+    serves(x): whether it runs products on x's device (one the torch products are the fallback for).
+    """
+
+    why_not: Callable
+    run: Callable
+    serves: Callable
+
+
+CAUSAL_PRODUCT_BACKENDS: dict[str, CausalProductBackend] = {}
+
+
+def register_causal_product_backend(name: str, backend: CausalProductBackend):
+    """Add ``backend`` as ``kernel_backend=name``; ``auto`` tries it after those registered before it, before
+    ``torch``."""
+    if name in CAUSAL_PRODUCT_BACKENDS or name == "auto":
+        raise ValueError(f"the causal product backend {name!r} is registered already")
+    CAUSAL_PRODUCT_BACKENDS[name] = backend
+
+
+def kernel_backends() -> tuple[str, ...]:
+    """The valid ``kernel_backend`` values."""
+    return ("auto", *CAUSAL_PRODUCT_BACKENDS)
+
+
+def in_auto_order() -> list[str]:
+    return [name for name in CAUSAL_PRODUCT_BACKENDS if name != "torch"] + ["torch"]
+
+
+def kernel_backend_serves(x, backend: str = "auto") -> bool:
+    """Whether a backend other than torch's, among those ``backend`` allows, serves x's device (q or its features):
+    its product reads the tokens-first layout in place (the paths keep it rather than copy heads-first)."""
+    names = in_auto_order() if backend == "auto" else [backend]
+    return any(CAUSAL_PRODUCT_BACKENDS[name].serves(x) for name in names if name != "torch")
+
+
+def chosen_backend(backend: str, q, v, dtype, gated_backward: bool) -> str:
+    """The backend that runs this call: ``backend`` itself (raising, with the reason, where it cannot run), or for
+    ``auto`` the first in order that can."""
+    if backend != "auto":
+        why_not = CAUSAL_PRODUCT_BACKENDS[backend].why_not(q, v, dtype, gated_backward)
+        if why_not:
+            raise ValueError(
+                f"kernel_backend={backend!r} cannot run this product: {why_not}; 'auto' falls back to torch"
+            )
+        return backend
+    return next(n for n in in_auto_order() if CAUSAL_PRODUCT_BACKENDS[n].why_not(q, v, dtype, gated_backward) is None)
 
 
 def eager_causal_product(
@@ -31,25 +101,36 @@ def eager_causal_product(
     final_state: bool = True,
 ):
     """``attention_kernels.causal_linear_attention`` outside compiled graphs: the same arguments and results."""
-    B, H, N, m = q.shape
-    C, dtype = chunk_length(N, chunk_size), product_dtype(q, v)
+    N, dtype = q.shape[2], product_dtype(q, v)
     # One decay per head (the torch path's ungated product, much faster than its gated one; no gated backward for
     # fla) only where the caller knows it: looking at the gates would be a read on the host (a sync) per call
-    gated_backward = log_gates is not None and wants_gradient(q, k, v, log_gates, initial_state)
-    why_not = "the torch backend was chosen" if backend == "torch" else can_run(q, v, dtype, gated_backward)
     decay = uniform_decay(log_gates, resets, known_decay) if N > 1 else None
-    if why_not is not None and decay is not None and backend != "torch":  # one decay per head: no gated backward
-        why_not = can_run(q, v, dtype, gated_backward=False)
-    if backend == "triton" and why_not:
-        raise ValueError(f"kernel_backend='triton' cannot run this product: {why_not}; 'auto' falls back to torch")
-    if why_not is None:
-        out, denominator, final = fla_causal_product(
-            q, k, v, None if decay is not None else log_gates, decay, initial_state, resets, with_denominator, dtype,
-            final_state=final_state,
-        )  # fmt: skip
-        if divide_eps is not None:
-            out = divide_rows(out, denominator, divide_eps)[0]
-        return out, denominator, final if final_state else None
+    gated_backward = log_gates is not None and decay is None and wants_gradient(q, k, v, log_gates, initial_state)
+    run = CAUSAL_PRODUCT_BACKENDS[chosen_backend(backend, q, v, dtype, gated_backward)].run
+    return run(
+        q, k, v, log_gates, decay, initial_state, resets, with_denominator, dtype, chunk_size, divide_eps,
+        update_in_place, final_state,
+    )  # fmt: skip
+
+
+def fla_run(q, k, v, log_gates, decay, initial_state, resets, with_denominator, dtype, chunk_size, divide_eps,
+            update_in_place, final_state):  # fmt: skip
+    """fla-core's Triton kernels (``products_triton``); the division, where asked, after them."""
+    out, denominator, final = fla_causal_product(
+        q, k, v, None if decay is not None else log_gates, decay, initial_state, resets, with_denominator, dtype,
+        final_state=final_state,
+    )  # fmt: skip
+    if divide_eps is not None:
+        out = divide_rows(out, denominator, divide_eps)[0]
+    return out, denominator, final if final_state else None
+
+
+def torch_run(q, k, v, log_gates, decay, initial_state, resets, with_denominator, dtype, chunk_size, divide_eps,
+              update_in_place, final_state):  # fmt: skip
+    """The torch products: ungated inputs and one decay per head take ``ChunkedCausalProduct`` (dividing as it goes
+    where asked), per-token gates ``gated_chunks``, a one-token step ``recurrent_step``."""
+    B, H, N, m = q.shape
+    C = chunk_length(N, chunk_size)
     if resets is not None and log_gates is None:
         log_gates = q.new_zeros(B, H, N, dtype=torch.promote_types(q.dtype, torch.float32))
     device = q.device.type
@@ -97,3 +178,12 @@ def uniform_decay(log_gates, resets, known=None):
     if log_gates.requires_grad and torch.is_grad_enabled():
         return None
     return known.to(log_gates.dtype)
+
+
+register_causal_product_backend(
+    "triton", CausalProductBackend(why_not=can_run, run=fla_run, serves=lambda x: on_kernel_device(x))
+)
+register_causal_product_backend(
+    "torch",
+    CausalProductBackend(why_not=lambda q, v, dtype, gated_backward: None, run=torch_run, serves=lambda x: True),
+)
