@@ -90,32 +90,7 @@ class AttentionOptions:
             if self.normalization is not None:
                 raise ValueError("normalization applies to linear attention only; softmax normalises by itself")
         else:
-            self.feature_map = self.feature_map or encoding.default_feature_map
-            positive = lookup("feature_map", self.feature_map, FEATURE_MAP_REGISTRY).is_positive(self)
-            default = encoding.default_normalization
-            if default == "unrotated_denominator" and not positive:
-                default = "output_layer_norm"  # the unrotated denominator could vanish (below)
-            self.normalization = self.normalization or default
-            self._choice("normalization", self.normalization, NORMALIZATIONS)
-            pe = self.positional_encoding
-            if self.normalization == "unrotated_denominator" and not positive:
-                raise ValueError(
-                    f"normalization='unrotated_denominator' is invalid with feature_map={self.feature_map!r}: its "
-                    "features can be exactly zero, so a query whose features share no support with its keys' gets "
-                    "a zero denominator under a non-zero rotated numerator (outputs of 1/eps); use "
-                    "'output_layer_norm' (its default here) or 'output_norm', or a strictly positive map"
-                )
-            if self.normalization == "denominator" and encoding.signed_features:
-                raise ValueError(
-                    f"normalization='denominator' is invalid with {pe!r}: its rotated features can be negative, so the "
-                    "denominator can vanish; use 'unrotated_denominator' or 'output_norm'"
-                )
-            if self.normalization == "unrotated_denominator" and not encoding.signed_features:
-                signed = [name for name, entry in POSITIONAL_ENCODING_REGISTRY.items() if entry.signed_features]
-                raise ValueError(
-                    f"normalization='unrotated_denominator' is meant for {', '.join(signed)}; "
-                    f"with {pe!r} use 'denominator' or 'output_norm'"
-                )
+            self._set_feature_map_and_normalization(encoding)
         if encoding.causal_only and not self.causal:
             raise ValueError(
                 f"{self.positional_encoding!r} decays with distance: it is for causal attention only (LinearGPT, or "
@@ -144,6 +119,36 @@ class AttentionOptions:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)}")
         if self.eps <= 0 or self.relu_eps < 0:
             raise ValueError("eps must be > 0 and relu_eps >= 0")
+
+    def _set_feature_map_and_normalization(self, encoding):
+        """Linear attention: the feature map (the encoding's paper's by default) and a normalisation that cannot
+        vanish with it (the encoding's default, or the output LayerNorm where the map's features can be 0)."""
+        self.feature_map = self.feature_map or encoding.default_feature_map
+        positive = lookup("feature_map", self.feature_map, FEATURE_MAP_REGISTRY).is_positive(self)
+        default = encoding.default_normalization
+        if default == "unrotated_denominator" and not positive:
+            default = "output_layer_norm"  # the unrotated denominator could vanish (below)
+        self.normalization = self.normalization or default
+        self._choice("normalization", self.normalization, NORMALIZATIONS)
+        pe = self.positional_encoding
+        if self.normalization == "unrotated_denominator" and not positive:
+            raise ValueError(
+                f"normalization='unrotated_denominator' is invalid with feature_map={self.feature_map!r}: its "
+                "features can be exactly zero, so a query whose features share no support with its keys' gets "
+                "a zero denominator under a non-zero rotated numerator (outputs of 1/eps); use "
+                "'output_layer_norm' (its default here) or 'output_norm', or a strictly positive map"
+            )
+        if self.normalization == "denominator" and encoding.signed_features:
+            raise ValueError(
+                f"normalization='denominator' is invalid with {pe!r}: its rotated features can be negative, so the "
+                "denominator can vanish; use 'unrotated_denominator' or 'output_norm'"
+            )
+        if self.normalization == "unrotated_denominator" and not encoding.signed_features:
+            signed = [name for name, entry in POSITIONAL_ENCODING_REGISTRY.items() if entry.signed_features]
+            raise ValueError(
+                f"normalization='unrotated_denominator' is meant for {', '.join(signed)}; "
+                f"with {pe!r} use 'denominator' or 'output_norm'"
+            )
 
     @staticmethod
     def _choice(name, value, valid):

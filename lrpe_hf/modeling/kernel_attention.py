@@ -131,31 +131,13 @@ class KernelAttention(nn.Module):
         ``reuse_inputs``: q and k are the caller's temporaries, which the feature map may overwrite;
         ``consecutive``: the positions are the default ones, without padding (each token one past the one before,
         so a decay by distance is the same at every token: nothing to look at)."""
-        key_max = state.key_max if state else None
         local_documents = None if starts is None else starts.long().cumsum(-1)
-        if self.stacks(q, k, encoding):
-            features, (tq, tk) = self.stacked_features(q, k, mask, positions, encoding)
-        else:
-            features = self.feature_map.features(q, k, mask, self.causal, key_max, local_documents, reuse_inputs)
-            tq, tk = encoding.encode_features(features.query, features.key, positions)
-        gates = features.log_gates
-        cp = active_group()
-        if cp is not None and (features.log_scale is not None or features.key_max is not None):
-            raise ValueError(
-                f"Context parallelism does not take feature_map={type(self.feature_map).__name__}: it is stabilised "
-                "by a running key maximum, which the ranks would need in turn; use a map without one (elu, relu, dpfp, "
-                "hedgehog or t2r)"
-            )
-        log_decay = encoding.log_decay
-        if log_decay is not None and not self.causal:
-            raise ValueError(f"{type(encoding).__name__} decays with distance: it is for causal attention only")
-        decay = self.decay_gates(log_decay, position_steps, q.dtype)
-        known_decay = log_decay if consecutive and decay is not None and gates is None and starts is None else None
-        if decay is not None:
-            gates = decay if gates is None else gates + decay
+        features, tq, tk = self.encoded_features(q, k, mask, positions, encoding, state, local_documents, reuse_inputs)
+        gates, known_decay = self.gates(features, encoding, position_steps, consecutive, starts, q.dtype)
         with_denominator = self.normalization == "denominator"
         # without a stabiliser or a gradient, the causal product divides by the denominator as it goes
         divided = self.causal and with_denominator and features.log_scale is None
+        cp = active_group()
         divided = divided and not wants_gradient(tq, tk, v, gates) and cp is None
         in_place = updates_in_place(state)
         if cp is not None:
@@ -176,27 +158,62 @@ class KernelAttention(nn.Module):
             state.store("key_max", features.key_max)
         if divided:
             return out
-        if self.normalization == "output_layer_norm":
-            return self.layer_norm_over_heads(out, features.log_scale)
         if self.normalization == "unrotated_denominator":
             denominator = self.unrotated_denominator(
                 features.query, features.key, gates, state, starts, in_place, known_decay
             )
-        if features.log_scale is None:
+        return self.normalized(out, denominator, features.log_scale)
+
+    def encoded_features(self, q, k, mask, positions, encoding, state, local_documents, reuse_inputs):
+        """The feature map's ``Features`` of q and k, and their encoded forms tq, tk (B, H, N, m): stacked for a
+        decoding step where it can (``stacks``)."""
+        if self.stacks(q, k, encoding):
+            features, (tq, tk) = self.stacked_features(q, k, mask, positions, encoding)
+        else:
+            key_max = state.key_max if state else None
+            features = self.feature_map.features(q, k, mask, self.causal, key_max, local_documents, reuse_inputs)
+            tq, tk = encoding.encode_features(features.query, features.key, positions)
+        if active_group() is not None and (features.log_scale is not None or features.key_max is not None):
+            raise ValueError(
+                f"Context parallelism does not take feature_map={type(self.feature_map).__name__}: it is stabilised "
+                "by a running key maximum, which the ranks would need in turn; use a map without one (elu, relu, dpfp, "
+                "hedgehog or t2r)"
+            )
+        return features, tq, tk
+
+    def gates(self, features, encoding, position_steps, consecutive, starts, dtype):
+        """The product's per-token log gates (B, H, N) or None: the stabiliser's, plus the encoding's decay by
+        distance; and the decay per head where the caller knows it is one at every token (``known_decay``)."""
+        gates = features.log_gates
+        log_decay = encoding.log_decay
+        if log_decay is not None and not self.causal:
+            raise ValueError(f"{type(encoding).__name__} decays with distance: it is for causal attention only")
+        decay = self.decay_gates(log_decay, position_steps, dtype)
+        known_decay = log_decay if consecutive and decay is not None and gates is None and starts is None else None
+        if decay is not None:
+            gates = decay if gates is None else gates + decay
+        return gates, known_decay
+
+    def normalized(self, out, denominator, log_scale):
+        """out (B, H, N, d) divided by its denominator (B, H, N, 1), or through the output norm where there is none;
+        ``log_scale`` (B, H, N, 1): the stabiliser's, whose eps is on the unstabilised scale, or None."""
+        if self.normalization == "output_layer_norm":
+            return self.layer_norm_over_heads(out, log_scale)
+        if log_scale is None:
             if denominator is not None:
                 return DivideByDenominator.divide(out, denominator, self.eps)
             return self.output_norm(out.to(self.output_norm.weight.dtype)).to(out.dtype)  # fused kernel under autocast
         # Stabilised features: eps on the unstabilised scale, kept in float32 (or wider): exp(-log_scale) overflows
         # half precision for logits below -11. A row whose every term underflowed (logits spread over ~80 or more
         # in float32) has no precision left: its output is 0 instead of noise or NaN.
-        eps = self.eps * torch.exp(-features.log_scale)
+        eps = self.eps * torch.exp(-log_scale)
         if denominator is not None:
             return DivideByDenominator.divide(out, denominator, eps, nonzero)
         # RMSNorm is scale-free: divide by the row's largest entry first, so that squaring cannot underflow.
         peak = out.abs().amax(-1, keepdim=True)
         unit = out / nonzero(peak)
-        log_peak = peak.to(features.log_scale.dtype).clamp_min(torch.finfo(peak.dtype).tiny).log()
-        mean_square = unit.pow(2).mean(-1, keepdim=True) + self.eps * torch.exp(-2 * (features.log_scale + log_peak))
+        log_peak = peak.to(log_scale.dtype).clamp_min(torch.finfo(peak.dtype).tiny).log()
+        mean_square = unit.pow(2).mean(-1, keepdim=True) + self.eps * torch.exp(-2 * (log_scale + log_peak))
         return (unit / nonzero(mean_square.sqrt())).to(out.dtype) * self.output_norm.weight.to(out.dtype)
 
     def context_parallel_product(self, q, k, v, gates, starts, with_denominator, cp):

@@ -191,42 +191,22 @@ class LinearAttention(nn.Module):
         mask = mask_as_bool(attention_mask, B, N)
         if state is not None and not self.options.causal:
             raise ValueError("A recurrent state is only meaningful for causal attention (causal=True)")
-        cp = active_group()
-        if cp is None:
-            positions = self.positions(position_ids, mask, state, B, N, hidden_states.device)
-        else:  # this rank's slice: positions continue from the earlier ranks' tokens, as from a recurrent state
-            refuse_unsplit_layer(self, state)
-            device = hidden_states.device
-            given = None if position_ids is None else self.positions(position_ids, mask, None, B, N, device)
-            counters = counters if counters is not None else incoming_counters(given, mask, B, N, device, cp)
-            if state is None:
-                state, count_tokens = counters, False  # read for positions and documents, kept by nobody
-            else:  # a fresh state continues from the earlier ranks' tokens (a prefill split over the ranks)
-                state.share_counters(counters)
-            positions = given if given is not None else self.positions(None, mask, state, B, N, device)
+        device, cp = hidden_states.device, active_group()
+        positions, state, count_tokens = self.positions_and_state(
+            position_ids, mask, state, counters, count_tokens, B, N, device
+        )
         if self.standalone and self.training:
             self.redraw_random_features()
         if shared_draw is None and self.shared_codes is not None:
-            shared_draw = self.shared_codes.draw(hidden_states.device)
+            shared_draw = self.shared_codes.draw(device)
             if position_ids is None and state is None and cp is None and self.options.position_dims == 1:
                 shared_draw.default_positions = (N, mask is None)  # counted from 0 here (``positions``)
-        projected_qkv = (self.q_proj, self.k_proj) + ((self.v_proj,) if values is None else ())
-        projections = project(projected_qkv, hidden_states, keep_views=self.positional_encoding.keeps_query_key)
-        q, k = (self.split_heads(x) for x in projections[:2])
-        v = self.split_heads(projections[2]) if values is None else values
-        if mask is not None:  # padded values contribute nothing, in every path (and in saved states)
-            v = v.masked_fill(~mask[:, None, :, None], 0.0)
+        q, k, v = self.heads(hidden_states, mask, values)
         encoding = self.positional_encoding
         projected = q, k
         q, k = encoding.encode_query_key(q, k, positions, shared_draw)
         reuse_inputs = q is projected[0] and k is projected[1]  # this call's own: the feature map may overwrite them
-        if documents is None and self.options.position_dims == 2:
-            documents = None, None
-        elif documents is None:
-            documents = find_documents(positions, mask, state, given_positions=position_ids is not None)
-            if cp is not None and not self.options.causal and position_ids is not None:
-                refuse_packed_bidirectional_rows(documents[0], hidden_states.device, cp)
-        starts, documents = documents
+        starts, documents = self.packed_documents(documents, positions, mask, state, position_ids is not None)
         path_state = None
         if state is not None and (cp is None or state is not counters):
             state.path = state.path if state.path is not None else self.attention.State()
@@ -242,13 +222,58 @@ class LinearAttention(nn.Module):
             q, k, v, mask, positions, encoding, path_state, steps, starts, documents, reuse_inputs, **path_options
         )
         if encoding.has_value_bias:
-            keys = (v, positions, documents)
-            if state is not None:
-                state.value_history = state.value_history or ValueHistory()
-                keys = state.value_history.append(*keys)
-            out = out + encoding.value_bias(keys[0], keys[1], positions, self.options.causal, keys[2], documents)
+            out = out + self.value_bias(v, positions, documents, state)
         if mask is not None:
             out = out.masked_fill(~mask[:, None, :, None], 0.0)
         if state is not None and count_tokens:
             state.count(positions, mask, documents)
         return out
+
+    def positions_and_state(self, position_ids, mask, state, counters, count_tokens, B: int, N: int, device):
+        """(positions (B, N, A), the state to read counters from, whether it counts these tokens). Inside
+        ``context_parallel``, this rank's slice: positions continue from the earlier ranks' tokens, as from a
+        recurrent state holding their ``counters`` (gathered here where the caller has not)."""
+        cp = active_group()
+        if cp is None:
+            return self.positions(position_ids, mask, state, B, N, device), state, count_tokens
+        refuse_unsplit_layer(self, state)
+        given = None if position_ids is None else self.positions(position_ids, mask, None, B, N, device)
+        counters = counters if counters is not None else incoming_counters(given, mask, B, N, device, cp)
+        if state is None:
+            state, count_tokens = counters, False  # read for positions and documents, kept by nobody
+        else:  # a fresh state continues from the earlier ranks' tokens (a prefill split over the ranks)
+            state.share_counters(counters)
+        positions = given if given is not None else self.positions(None, mask, state, B, N, device)
+        return positions, state, count_tokens
+
+    def heads(self, hidden_states, mask, values=None):
+        """q, k (B, H, N, d) and v (B, H, N, d), or the given ``values``; padded values zeroed (they contribute
+        nothing in any path, nor to saved states)."""
+        projected_qkv = (self.q_proj, self.k_proj) + ((self.v_proj,) if values is None else ())
+        projections = project(projected_qkv, hidden_states, keep_views=self.positional_encoding.keeps_query_key)
+        q, k = (self.split_heads(x) for x in projections[:2])
+        v = self.split_heads(projections[2]) if values is None else values
+        if mask is not None:
+            v = v.masked_fill(~mask[:, None, :, None], 0.0)
+        return q, k, v
+
+    def packed_documents(self, documents, positions, mask, state, given_positions: bool):
+        """(starts (B, N) bool or None, documents (B, N) or None): the caller's, or found from 1D positions (images'
+        2D positions hold one document)."""
+        if documents is not None:
+            return documents
+        if self.options.position_dims == 2:
+            return None, None
+        documents = find_documents(positions, mask, state, given_positions=given_positions)
+        cp = active_group()
+        if cp is not None and not self.options.causal and given_positions:
+            refuse_packed_bidirectional_rows(documents[0], positions.device, cp)
+        return documents
+
+    def value_bias(self, v, positions, documents, state):
+        """The encoding's bias from every visible value (FastRPB), over the state's stored history while decoding."""
+        keys = (v, positions, documents)
+        if state is not None:
+            state.value_history = state.value_history or ValueHistory()
+            keys = state.value_history.append(*keys)
+        return self.positional_encoding.value_bias(keys[0], keys[1], positions, self.options.causal, keys[2], documents)

@@ -33,6 +33,16 @@ from .transformer_stack import LinearPreTrainedModel, LinearTransformerStack, ch
 from .weight_layout import lay_out_for_one_row_products
 
 
+def default_positions(attention_mask, mask, real_past, hidden_states):
+    """(B, N) positions counting each row's real tokens, from the cache's count (``real_past`` (B,)) or, for a
+    slice of a sequence split over ranks, from the earlier slices' real tokens (else from 0); hidden_states
+    (B, N, hidden) give the shape and device."""
+    (batch_size, num_tokens), device = hidden_states.shape[:2], hidden_states.device
+    if real_past is None:
+        real_past = real_tokens_before(mask, batch_size, num_tokens, device)
+    return default_position_ids(attention_mask, batch_size, num_tokens, device, real_past)
+
+
 class LinearGPTPreTrainedModel(LinearPreTrainedModel):
     config: LinearGPTConfig
     config_class = LinearGPTConfig
@@ -74,6 +84,37 @@ class LinearGPTModel(LinearGPTPreTrainedModel):
             lay_out_for_one_row_products(self.stack)
             self.decoding_layout = (weight.device, weight.dtype)
 
+    def embedded(self, input_ids, inputs_embeds):
+        """The tokens' embeddings (B, N, hidden), times the config's ``embedding_multiplier``."""
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("Pass exactly one of input_ids and inputs_embeds")
+        hidden_states = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        if self.config.embedding_multiplier != 1.0:
+            hidden_states = hidden_states * self.config.embedding_multiplier
+        return hidden_states
+
+    def cache_for_call(self, past_key_values, use_cache, output_attentions):
+        """The ``LinearAttentionCache`` this call reads and writes (the given one, or a new one where ``use_cache``
+        asks), or None; refuses what cannot continue from it."""
+        if use_cache is None:  # a slice of a sequence split over ranks (context_parallel) keeps a cache when asked
+            use_cache = self.config.use_cache and not self.training and active_group() is None
+        if isinstance(past_key_values, LinearAttentionCache) and past_key_values.is_initialized:
+            refuse_in_context_parallel("a cache that has seen tokens (a split prefill starts from a new cache)")
+        if past_key_values is not None and not isinstance(past_key_values, LinearAttentionCache):
+            raise ValueError(
+                f"LinearGPT keeps recurrent states in a LinearAttentionCache, got "
+                f"{type(past_key_values).__name__}; pass past_key_values=None to start one"
+            )
+        if use_cache and past_key_values is None:
+            past_key_values = LinearAttentionCache(self.config.num_hidden_layers)
+        cache = past_key_values if use_cache else None
+        if output_attentions and cache is not None and cache.is_initialized:
+            raise ValueError(
+                "output_attentions=True weighs every key for every query, and a recurrent cache keeps no past tokens "
+                "to weigh: call the model on the whole sequence (use_cache=False or a new cache)"
+            )
+        return cache
+
     @can_return_tuple
     def forward(
         self,
@@ -96,52 +137,26 @@ class LinearGPTModel(LinearGPTPreTrainedModel):
         past_key_values = take_cache(kwargs, past_key_values=past_key_values, cache=cache)
         check_extra_arguments(self, kwargs)
         check_segments(token_type_ids)
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("Pass exactly one of input_ids and inputs_embeds")
-        hidden_states = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        if self.config.embedding_multiplier != 1.0:
-            hidden_states = hidden_states * self.config.embedding_multiplier
+        hidden_states = self.embedded(input_ids, inputs_embeds)
         batch_size, num_tokens = hidden_states.shape[:2]
         position_ids = given_position_ids(position_ids, batch_size, num_tokens)
-        if use_cache is None:  # a slice of a sequence split over ranks (context_parallel) keeps a cache when asked
-            use_cache = self.config.use_cache and not self.training and active_group() is None
-        if isinstance(past_key_values, LinearAttentionCache) and past_key_values.is_initialized:
-            refuse_in_context_parallel("a cache that has seen tokens (a split prefill starts from a new cache)")
         output_hidden_states = (
             output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
         )
         output_attentions = output_attentions if output_attentions is not None else self.config.output_attentions
-        if past_key_values is not None and not isinstance(past_key_values, LinearAttentionCache):
-            raise ValueError(
-                f"LinearGPT keeps recurrent states in a LinearAttentionCache, got "
-                f"{type(past_key_values).__name__}; pass past_key_values=None to start one"
-            )
-        if use_cache and past_key_values is None:
-            past_key_values = LinearAttentionCache(self.config.num_hidden_layers)
-        cache = past_key_values if use_cache else None
-        if output_attentions and cache is not None and cache.is_initialized:
-            raise ValueError(
-                "output_attentions=True weighs every key for every query, and a recurrent cache keeps no past tokens "
-                "to weigh: call the model on the whole sequence (use_cache=False or a new cache)"
-            )
+        cache = self.cache_for_call(past_key_values, use_cache, output_attentions)
         # Compiled, a step reads no Python count (the graph would be specialised on it, one per token): a mask's past
         # is checked against the first layer's per-row counters instead, from which default positions continue.
-        if cache is None:
-            past = 0
-        else:
-            past = None if torch.compiler.is_compiling() else cache.seen_tokens
+        past = 0 if cache is None else None if torch.compiler.is_compiling() else cache.seen_tokens
         real_past = cache.states[0].num_tokens if cache is not None else None  # (B,) real tokens seen per row
-        decoding = cache is not None and past is not None and past > 0 and not torch.is_grad_enabled()
-        if decoding:  # eager steps after a prefill (a compiled step keeps the layout its graph was made for)
+        if past and not torch.is_grad_enabled():  # eager decoding (a compiled step keeps its graph's layout)
             self.lay_out_for_decoding()
         mask = mask_as_bool(attention_mask, batch_size, num_tokens, past)
         if past is None:
             check_mask_against_cache(attention_mask, num_tokens, real_past)
         given_positions = position_ids is not None
         if position_ids is None:
-            if real_past is None:  # 0, or the real tokens of the earlier ranks' slices (context_parallel)
-                real_past = real_tokens_before(mask, batch_size, num_tokens, hidden_states.device)
-            position_ids = default_position_ids(attention_mask, batch_size, num_tokens, hidden_states.device, real_past)
+            position_ids = default_positions(attention_mask, mask, real_past, hidden_states)
         if self.position_embedding is not None:
             hidden_states = hidden_states + self.position_embedding(position_ids).to(hidden_states.dtype)
         hidden_states = self.dropout(hidden_states)
@@ -221,6 +236,37 @@ class LinearGPTForCausalLM(LinearGPTPreTrainedModel, GenerationMixin):
         if compiled and isinstance(cache, LinearAttentionCache) and cache.is_initialized:
             cache.make_static()  # a compiled forward's states: static inputs of the next step (CUDA graphs hold)
         return model_inputs
+
+    def embedded(self, input_ids, inputs_embeds):
+        """The tokens' embeddings (B, N, hidden), times the config's ``embedding_multiplier``."""
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("Pass exactly one of input_ids and inputs_embeds")
+        hidden_states = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        if self.config.embedding_multiplier != 1.0:
+            hidden_states = hidden_states * self.config.embedding_multiplier
+        return hidden_states
+
+    def cache_for_call(self, past_key_values, use_cache, output_attentions):
+        """The ``LinearAttentionCache`` this call reads and writes (the given one, or a new one where ``use_cache``
+        asks), or None; refuses what cannot continue from it."""
+        if use_cache is None:  # a slice of a sequence split over ranks (context_parallel) keeps a cache when asked
+            use_cache = self.config.use_cache and not self.training and active_group() is None
+        if isinstance(past_key_values, LinearAttentionCache) and past_key_values.is_initialized:
+            refuse_in_context_parallel("a cache that has seen tokens (a split prefill starts from a new cache)")
+        if past_key_values is not None and not isinstance(past_key_values, LinearAttentionCache):
+            raise ValueError(
+                f"LinearGPT keeps recurrent states in a LinearAttentionCache, got "
+                f"{type(past_key_values).__name__}; pass past_key_values=None to start one"
+            )
+        if use_cache and past_key_values is None:
+            past_key_values = LinearAttentionCache(self.config.num_hidden_layers)
+        cache = past_key_values if use_cache else None
+        if output_attentions and cache is not None and cache.is_initialized:
+            raise ValueError(
+                "output_attentions=True weighs every key for every query, and a recurrent cache keeps no past tokens "
+                "to weigh: call the model on the whole sequence (use_cache=False or a new cache)"
+            )
+        return cache
 
     @can_return_tuple
     def forward(

@@ -55,28 +55,11 @@ class LinearTransformerStack(nn.Module):
         )  # (B, N, A)
         consecutive = not given_positions and attention_mask is None and position_ids.dim() == 2
         cp = active_group()
-        shared_draw = None
-        if self.shared_codes is not None:
-            shared_draw = self.shared_codes.draw(hidden_states.device)
-            fresh = cache is None or not cache.is_initialized
-            if not given_positions and fresh and cp is None and positions.shape[-1] == 1:  # defaults from 0
-                shared_draw.default_positions = (positions.shape[1], consecutive)
-            if hidden_states.shape[0]:  # an empty batch has no positions to prepare codes for
-                self.shared_codes.prepare(shared_draw, positions.long())
+        shared_draw = self.draw_shared_codes(positions, cache, given_positions, consecutive, hidden_states.device)
         # The shared tables go to every layer as positional tensors too, so that gradient checkpointing (reentrant
         # included) sees them as inputs of each layer.
         shared_tables = shared_draw.tables() if shared_draw is not None and hasattr(shared_draw, "tables") else []
-        documents = None  # packed rows: found once for every layer (they all see the same tokens and positions)
-        counters = None  # context parallelism: the earlier ranks' position counters, gathered once for every layer
-        if cp is not None and positions.shape[-1] == 1:
-            B, N = positions.shape[:2]
-            given = positions if given_positions else None
-            counters = incoming_counters(given, attention_mask, B, N, positions.device, cp)
-        if positions.shape[-1] == 1:
-            first_state = counters if counters is not None else cache.states[0] if cache is not None else None
-            documents = find_documents(positions, attention_mask, first_state, given_positions)
-            if counters is not None and given_positions and not self.layers[0].self_attn.options.causal:
-                refuse_packed_bidirectional_rows(documents[0], positions.device, cp)
+        documents, counters = self.documents_and_counters(positions, attention_mask, cache, given_positions)
         all_hidden_states = [] if output_hidden_states else None
         all_attentions = [] if output_attentions else None
         for index, layer in enumerate(self.layers):
@@ -103,6 +86,35 @@ class LinearTransformerStack(nn.Module):
                 raise ValueError("A recurrent cache continues 1D positions: position_ids of shape (batch, tokens)")
             cache.count(positions.long(), attention_mask, documents[1])
         return hidden_states, all_hidden_states, all_attentions
+
+    def draw_shared_codes(self, positions, cache, given_positions: bool, consecutive: bool, device):
+        """This forward's draw of the codes every layer shares (SPE), prepared for positions (B, N, A), or None."""
+        if self.shared_codes is None:
+            return None
+        shared_draw = self.shared_codes.draw(device)
+        fresh = cache is None or not cache.is_initialized
+        if not given_positions and fresh and active_group() is None and positions.shape[-1] == 1:  # defaults from 0
+            shared_draw.default_positions = (positions.shape[1], consecutive)
+        if positions.shape[0]:  # an empty batch has no positions to prepare codes for
+            self.shared_codes.prepare(shared_draw, positions.long())
+        return shared_draw
+
+    def documents_and_counters(self, positions, attention_mask, cache, given_positions: bool):
+        """What every layer reads alike, found once: packed rows' documents ((starts, documents) (B, N) each, or None
+        for 2D positions) and, inside ``context_parallel``, the earlier ranks' position counters (or None)."""
+        if positions.shape[-1] != 1:
+            return None, None
+        cp = active_group()
+        counters = None
+        if cp is not None:
+            B, N = positions.shape[:2]
+            given = positions if given_positions else None
+            counters = incoming_counters(given, attention_mask, B, N, positions.device, cp)
+        first_state = counters if counters is not None else cache.states[0] if cache is not None else None
+        documents = find_documents(positions, attention_mask, first_state, given_positions)
+        if counters is not None and given_positions and not self.layers[0].self_attn.options.causal:
+            refuse_packed_bidirectional_rows(documents[0], positions.device, cp)
+        return documents, counters
 
 
 def check_segments(token_type_ids, type_vocab_size: int = 1):
