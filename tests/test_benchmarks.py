@@ -346,7 +346,8 @@ def test_the_context_parallel_benchmark_counts_what_it_computes(tmp_path):
     slower = max(statistics.median(times["rank 0"]), statistics.median(times["rank 1"]))
     assert float(row["two_ranks_ms"]) == round(slower, 1)
     state = 8 * 64 * 65 * 4  # heads x features x (head width + key sums), float32
-    decays, counters = 8 * 4, 2 * 8  # the total decay per head; real counts and last positions (int64)
+    # the total decay per head; the rank's token count, its real tokens and last real position per row (int64)
+    decays, counters = 8 * 4, 3 * 8
     assert int(row["sent_bytes_per_step"]) == 2 * state + decays + counters  # forward gather, backward gather
     with open(tmp_path / "traffic.csv") as f:
         (computed,) = list(csv.DictReader(f))
