@@ -224,6 +224,8 @@ def incoming_counters(positions, mask, batch_size: int, num_tokens: int, device,
         last = torch.where(index >= 0, positions[..., 0].gather(-1, index.clamp_min(0)[:, None])[:, 0], last)
     mine = torch.cat([torch.full((1,), N, dtype=torch.long, device=device), count, last])
     every = torch.stack(gathered(mine, cp))  # (ranks, 1 + 2B)
+    # one read of the ranks' token counts on the host (a model gathers once per call, at the stack's entry, before
+    # any layer; a standalone layer once per call): a refusal must be raised on every rank alike
     refuse_empty_ranks(every[:, 0].tolist())
     counts, lasts = every[:, 1 : 1 + B], every[:, 1 + B :]  # (ranks, B)
     before = counts[: cp.rank].sum(0)

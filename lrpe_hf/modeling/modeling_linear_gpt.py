@@ -237,37 +237,6 @@ class LinearGPTForCausalLM(LinearGPTPreTrainedModel, GenerationMixin):
             cache.make_static()  # a compiled forward's states: static inputs of the next step (CUDA graphs hold)
         return model_inputs
 
-    def embedded(self, input_ids, inputs_embeds):
-        """The tokens' embeddings (B, N, hidden), times the config's ``embedding_multiplier``."""
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("Pass exactly one of input_ids and inputs_embeds")
-        hidden_states = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        if self.config.embedding_multiplier != 1.0:
-            hidden_states = hidden_states * self.config.embedding_multiplier
-        return hidden_states
-
-    def cache_for_call(self, past_key_values, use_cache, output_attentions):
-        """The ``LinearAttentionCache`` this call reads and writes (the given one, or a new one where ``use_cache``
-        asks), or None; refuses what cannot continue from it."""
-        if use_cache is None:  # a slice of a sequence split over ranks (context_parallel) keeps a cache when asked
-            use_cache = self.config.use_cache and not self.training and active_group() is None
-        if isinstance(past_key_values, LinearAttentionCache) and past_key_values.is_initialized:
-            refuse_in_context_parallel("a cache that has seen tokens (a split prefill starts from a new cache)")
-        if past_key_values is not None and not isinstance(past_key_values, LinearAttentionCache):
-            raise ValueError(
-                f"LinearGPT keeps recurrent states in a LinearAttentionCache, got "
-                f"{type(past_key_values).__name__}; pass past_key_values=None to start one"
-            )
-        if use_cache and past_key_values is None:
-            past_key_values = LinearAttentionCache(self.config.num_hidden_layers)
-        cache = past_key_values if use_cache else None
-        if output_attentions and cache is not None and cache.is_initialized:
-            raise ValueError(
-                "output_attentions=True weighs every key for every query, and a recurrent cache keeps no past tokens "
-                "to weigh: call the model on the whole sequence (use_cache=False or a new cache)"
-            )
-        return cache
-
     @can_return_tuple
     def forward(
         self,
