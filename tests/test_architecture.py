@@ -1,6 +1,8 @@
-"""docs/architecture.md stays true where a test can tell: its Layout names every file of lrpe_hf/, and the hooks it
-lists are the positional-encoding base class's."""
+"""docs/architecture.md stays true where a test can tell: its Layout names every file of lrpe_hf/, the hooks it
+lists are the positional-encoding base class's, and the attention path keeps the shape it describes (every forward
+reads top to bottom: no function of modeling/ over 60 lines, the attention layer at most 120 lines of code)."""
 
+import ast
 import re
 from pathlib import Path
 
@@ -42,3 +44,33 @@ def test_the_hooks_listed_are_the_base_class_s():
         assert f"`{hook}`" in hooks_paragraph or hook == "stacks_features", hook
     for named in re.findall(r"`(\w+)`", hooks_paragraph):
         assert named in vars(lrpe_hf.PositionalEncoding) or named == "PositionalEncoding", named
+
+
+def code_lines(source: str, node: ast.AST) -> int:
+    """The lines of ``node`` that hold code: not blank, not a comment, not a docstring."""
+    docstrings = set()
+    for inner in ast.walk(node):
+        if isinstance(inner, (ast.ClassDef, ast.FunctionDef)) and ast.get_docstring(inner) is not None:
+            first = inner.body[0]
+            docstrings.update(range(first.lineno, first.end_lineno + 1))
+    lines = source.splitlines()[node.lineno - 1 : node.end_lineno]
+    return sum(
+        1
+        for number, line in enumerate(lines, node.lineno)
+        if line.strip() and not line.strip().startswith("#") and number not in docstrings
+    )
+
+
+def test_no_function_of_modeling_is_over_60_lines():
+    long = []
+    for path in sorted((ROOT / "lrpe_hf" / "modeling").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef) and node.end_lineno - node.lineno + 1 > 60:
+                long.append(f"{path.name}:{node.name} ({node.end_lineno - node.lineno + 1} lines)")
+    assert not long, long
+
+
+def test_the_attention_layer_is_at_most_120_lines_of_code():
+    source = (ROOT / "lrpe_hf" / "modeling" / "linear_attention.py").read_text()
+    (layer,) = [n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.ClassDef) and n.name == "LinearAttention"]
+    assert code_lines(source, layer) <= 120

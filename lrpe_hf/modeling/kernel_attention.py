@@ -109,31 +109,14 @@ class KernelAttention(nn.Module):
         elif self.normalization == "output_layer_norm":
             self.output_norm = nn.LayerNorm(head_dim * options.num_heads, eps=options.eps)
 
-    def forward(
-        self,
-        q,
-        k,
-        v,
-        mask,
-        positions,
-        encoding,
-        state=None,
-        position_steps=None,
-        starts=None,
-        documents=None,
-        reuse_inputs=False,
-        consecutive=False,
-    ):
-        """mask (B, N) bool or None; positions (B, N, A); state: this path's state (causal decoding) or None;
-        position_steps (B, N): each real token's distance from the previous real one (0 for padding), given for an
-        encoding that decays with distance; starts (B, N) bool: the tokens that start
-        a new document in a packed row, or None for one document (``documents``: their running count, unused);
-        ``reuse_inputs``: q and k are the caller's temporaries, which the feature map may overwrite;
-        ``consecutive``: the positions are the default ones, without padding (each token one past the one before,
+    def forward(self, q, k, v, inputs):
+        """``inputs``: the layer's ``AttentionInputs`` (mask, positions, encoding, this path's state for causal
+        decoding, a decay's position steps, packed rows' starts; ``consecutive``: each token one past the one before,
         so a decay by distance is the same at every token: nothing to look at)."""
+        state, starts = inputs.state, inputs.starts
         local_documents = None if starts is None else starts.long().cumsum(-1)
-        features, tq, tk = self.encoded_features(q, k, mask, positions, encoding, state, local_documents, reuse_inputs)
-        gates, known_decay = self.gates(features, encoding, position_steps, consecutive, starts, q.dtype)
+        features, tq, tk = self.encoded_features(q, k, inputs, local_documents)
+        gates, known_decay = self.gates(features, inputs, q.dtype)
         with_denominator = self.normalization == "denominator"
         # without a stabiliser or a gradient, the causal product divides by the denominator as it goes
         divided = self.causal and with_denominator and features.log_scale is None
@@ -164,14 +147,15 @@ class KernelAttention(nn.Module):
             )
         return self.normalized(out, denominator, features.log_scale)
 
-    def encoded_features(self, q, k, mask, positions, encoding, state, local_documents, reuse_inputs):
+    def encoded_features(self, q, k, inputs, local_documents):
         """The feature map's ``Features`` of q and k, and their encoded forms tq, tk (B, H, N, m): stacked for a
         decoding step where it can (``stacks``)."""
+        mask, positions, encoding, state = inputs.mask, inputs.positions, inputs.encoding, inputs.state
         if self.stacks(q, k, encoding):
             features, (tq, tk) = self.stacked_features(q, k, mask, positions, encoding)
         else:
             key_max = state.key_max if state else None
-            features = self.feature_map.features(q, k, mask, self.causal, key_max, local_documents, reuse_inputs)
+            features = self.feature_map.features(q, k, mask, self.causal, key_max, local_documents, inputs.reuse_inputs)
             tq, tk = encoding.encode_features(features.query, features.key, positions)
         if active_group() is not None and (features.log_scale is not None or features.key_max is not None):
             raise ValueError(
@@ -181,15 +165,16 @@ class KernelAttention(nn.Module):
             )
         return features, tq, tk
 
-    def gates(self, features, encoding, position_steps, consecutive, starts, dtype):
+    def gates(self, features, inputs, dtype):
         """The product's per-token log gates (B, H, N) or None: the stabiliser's, plus the encoding's decay by
         distance; and the decay per head where the caller knows it is one at every token (``known_decay``)."""
         gates = features.log_gates
-        log_decay = encoding.log_decay
+        log_decay = inputs.encoding.log_decay
         if log_decay is not None and not self.causal:
-            raise ValueError(f"{type(encoding).__name__} decays with distance: it is for causal attention only")
-        decay = self.decay_gates(log_decay, position_steps, dtype)
-        known_decay = log_decay if consecutive and decay is not None and gates is None and starts is None else None
+            raise ValueError(f"{type(inputs.encoding).__name__} decays with distance: it is for causal attention only")
+        decay = self.decay_gates(log_decay, inputs.position_steps, dtype)
+        uniform = inputs.consecutive and decay is not None and gates is None and inputs.starts is None
+        known_decay = log_decay if uniform else None
         if decay is not None:
             gates = decay if gates is None else gates + decay
         return gates, known_decay

@@ -23,18 +23,12 @@ from dataclasses import replace
 import torch
 from torch import nn
 
+from .attention_inputs import LayerCall, attention_inputs
 from .attention_options import AttentionOptions
 from .attention_state import ValueHistory
-from .context_parallel import (
-    active_group,
-    incoming_counters,
-    refuse_in_context_parallel,
-    refuse_packed_bidirectional_rows,
-    refuse_unsplit_layer,
-)
+from .context_parallel import active_group, refuse_in_context_parallel
 from .kernel_attention import KernelAttention
-from .positional_encoding import NoPositionalEncoding
-from .positions import check_position_ids, default_position_ids, find_documents, mask_as_bool, position_steps
+from .positions import mask_as_bool
 from .projections import project
 from .registry import build_positional_encoding, positional_encoding_entry
 from .softmax_attention import SoftmaxAttention
@@ -56,10 +50,8 @@ class LinearAttention(nn.Module):
         bias: use biases in the q/k/v/output projections.
 
     forward(hidden_states (B, N, hidden_size), attention_mask (B, N) = None, position_ids (B, N) or (B, N, 2)
-    = None, state = None, shared_draw = None, documents = None, softmax_implementation = "sdpa")
-    -> (B, N, hidden_size). ``softmax_implementation`` ("sdpa" or "eager") is the softmax path's kernel.
-    ``count_tokens`` False: the state's token counters are left to the caller (a model advances its layers'
-    shared counters once per call, ``LinearAttentionCache.count``).
+    = None, state = None, shared_draw = None, call = None) -> (B, N, hidden_size). ``call``: a ``LayerCall``
+    (``attention_inputs.py``) from a model; what flows on to the attention path is one ``AttentionInputs``.
     """
 
     def __init__(
@@ -116,44 +108,14 @@ class LinearAttention(nn.Module):
         if self.feature_map is not None:
             self.feature_map.redraw()
 
-    def positions(self, position_ids, mask, state, batch_size, num_tokens, device):
-        """Integer positions (B, N, A)."""
-        if position_ids is not None:
-            return check_position_ids(position_ids, batch_size, num_tokens, self.options.position_dims, device)
-        if self.options.position_dims == 2:
-            if isinstance(self.positional_encoding, NoPositionalEncoding):
-                return torch.zeros(batch_size, num_tokens, 2, dtype=torch.long, device=device)
-            raise ValueError("2D positional encodings need position_ids of shape (batch, tokens, 2) with (row, col)")
-        past = state.num_tokens if state is not None and state.num_tokens is not None else 0
-        return default_position_ids(mask, batch_size, num_tokens, device, past)[..., None]
-
     def split_heads(self, x):
         B, N, _ = x.shape
         return x.view(B, N, self.num_heads, self.head_dim).transpose(1, 2)
 
-    def forward(
-        self,
-        hidden_states,
-        attention_mask=None,
-        position_ids=None,
-        state=None,
-        shared_draw=None,
-        documents=None,
-        softmax_implementation="sdpa",
-        consecutive=None,
-        count_tokens=True,
-        counters=None,
-    ):
-        """``documents``: ``find_documents(...)`` of these inputs when the caller has it (a model computes it
-        once for all its layers); ``consecutive``: whether every row's positions are the defaults without padding
-        (each token one past the one before), which a caller that passes the positions it made knows; None: whether
-        no positions and no padding were given; ``count_tokens``: whether the state's counters advance here;
-        ``counters``: inside ``context_parallel``, ``incoming_counters(...)`` of these inputs when the caller has
-        them (a model gathers them once for all its layers)."""
-        out = self.attend(
-            hidden_states, attention_mask, position_ids, state, shared_draw, documents, None, softmax_implementation,
-            consecutive, count_tokens, counters,
-        )  # fmt: skip
+    def forward(self, hidden_states, attention_mask=None, position_ids=None, state=None, shared_draw=None, call=None):
+        """``call``: a ``LayerCall``, what a model finds once for all its layers (packed rows' documents, consecutive
+        positions, context-parallel counters, whether the state counts these tokens, the softmax kernel)."""
+        out = self.attend(hidden_states, attention_mask, position_ids, state, shared_draw, call)
         B, N = hidden_states.shape[:2]
         return self.o_proj(out.transpose(1, 2).reshape(B, N, self.hidden_size))
 
@@ -166,85 +128,43 @@ class LinearAttention(nn.Module):
         B, N = hidden_states.shape[:2]
         one_hot = torch.eye(N, dtype=hidden_states.dtype, device=hidden_states.device)
         probe = one_hot.expand(B, self.num_heads, N, N)
-        return self.attend(hidden_states, attention_mask, position_ids, None, shared_draw, None, values=probe)
+        return self.attend(hidden_states, attention_mask, position_ids, None, shared_draw, values=probe)
 
-    def attend(
-        self,
-        hidden_states,
-        attention_mask=None,
-        position_ids=None,
-        state=None,
-        shared_draw=None,
-        documents=None,
-        values=None,
-        softmax_implementation="sdpa",
-        consecutive=None,
-        count_tokens=True,
-        counters=None,
-    ):
+    def attend(self, hidden_states, attention_mask=None, position_ids=None, state=None, shared_draw=None, call=None,
+               values=None):  # fmt: skip
         """The heads' outputs before the output projection, (B, H, N, d): ``forward`` without ``o_proj``.
         ``values`` (B, H, N, d') replace the projected values (``attention_weights``)."""
         B, N, _ = hidden_states.shape
         if B == 0:  # an empty batch has nothing to attend to (and the chunked products nothing to split)
             width = values.shape[-1] if values is not None else self.head_dim
             return hidden_states.new_zeros(0, self.num_heads, N, width)
-        mask = mask_as_bool(attention_mask, B, N)
         if state is not None and not self.options.causal:
             raise ValueError("A recurrent state is only meaningful for causal attention (causal=True)")
-        device, cp = hidden_states.device, active_group()
-        positions, state, count_tokens = self.positions_and_state(
-            position_ids, mask, state, counters, count_tokens, B, N, device
-        )
+        mask = mask_as_bool(attention_mask, B, N)
+        inputs = attention_inputs(self, mask, position_ids, state, call or LayerCall(), B, N, hidden_states.device)
         if self.standalone and self.training:
             self.redraw_random_features()
         if shared_draw is None and self.shared_codes is not None:
-            shared_draw = self.shared_codes.draw(device)
-            if position_ids is None and state is None and cp is None and self.options.position_dims == 1:
-                shared_draw.default_positions = (N, mask is None)  # counted from 0 here (``positions``)
+            shared_draw = self.own_draw(N, mask is None, position_ids is None and state is None, hidden_states.device)
         q, k, v = self.heads(hidden_states, mask, values)
-        encoding = self.positional_encoding
         projected = q, k
-        q, k = encoding.encode_query_key(q, k, positions, shared_draw)
+        q, k = self.positional_encoding.encode_query_key(q, k, inputs.positions, shared_draw)
         reuse_inputs = q is projected[0] and k is projected[1]  # this call's own: the feature map may overwrite them
-        starts, documents = self.packed_documents(documents, positions, mask, state, position_ids is not None)
-        path_state = None
-        if state is not None and (cp is None or state is not counters):
-            state.path = state.path if state.path is not None else self.attention.State()
-            path_state = state.path
-        steps = position_steps(positions, mask, state) if encoding.log_decay is not None else None
-        if isinstance(self.attention, SoftmaxAttention):
-            path_options = {"implementation": softmax_implementation}
-        else:
-            if consecutive is None:  # default positions without padding: each token one past the one before
-                consecutive = position_ids is None and mask is None
-            path_options = {"consecutive": consecutive and self.options.position_dims == 1}
-        out = self.attention(
-            q, k, v, mask, positions, encoding, path_state, steps, starts, documents, reuse_inputs, **path_options
-        )
-        if encoding.has_value_bias:
-            out = out + self.value_bias(v, positions, documents, state)
+        out = self.attention(q, k, v, inputs._replace(reuse_inputs=reuse_inputs))
+        if self.positional_encoding.has_value_bias:
+            out = out + self.value_bias(v, inputs)
         if mask is not None:
             out = out.masked_fill(~mask[:, None, :, None], 0.0)
-        if state is not None and count_tokens:
-            state.count(positions, mask, documents)
+        if inputs.counted_state is not None and inputs.count_tokens:
+            inputs.counted_state.count(inputs.positions, mask, inputs.documents)
         return out
 
-    def positions_and_state(self, position_ids, mask, state, counters, count_tokens, B: int, N: int, device):
-        """(positions (B, N, A), the state to read counters from, whether it counts these tokens). Inside
-        ``context_parallel``, this rank's slice: positions continue from the earlier ranks' tokens, as from a
-        recurrent state holding their ``counters`` (gathered here where the caller has not)."""
-        cp = active_group()
-        if cp is None:
-            return self.positions(position_ids, mask, state, B, N, device), state, count_tokens
-        refuse_unsplit_layer(self, state)
-        given = None if position_ids is None else self.positions(position_ids, mask, None, B, N, device)
-        counters = counters if counters is not None else incoming_counters(given, mask, B, N, device, cp)
-        if state is None:
-            state, count_tokens = counters, False  # read for positions and documents, kept by nobody
-        else:  # a fresh state continues from the earlier ranks' tokens (a prefill split over the ranks)
-            state.share_counters(counters)
-        positions = given if given is not None else self.positions(None, mask, state, B, N, device)
-        return positions, state, count_tokens
+    def own_draw(self, num_tokens: int, unpadded: bool, default_positions: bool, device):
+        """A standalone layer's draw of its shared codes (SPE), told where its positions are the defaults from 0."""
+        shared_draw = self.shared_codes.draw(device)
+        if default_positions and active_group() is None and self.options.position_dims == 1:
+            shared_draw.default_positions = (num_tokens, unpadded)  # counted from 0 (``positions_of``)
+        return shared_draw
 
     def heads(self, hidden_states, mask, values=None):
         """q, k (B, H, N, d) and v (B, H, N, d), or the given ``values``; padded values zeroed (they contribute
@@ -257,23 +177,12 @@ class LinearAttention(nn.Module):
             v = v.masked_fill(~mask[:, None, :, None], 0.0)
         return q, k, v
 
-    def packed_documents(self, documents, positions, mask, state, given_positions: bool):
-        """(starts (B, N) bool or None, documents (B, N) or None): the caller's, or found from 1D positions (images'
-        2D positions hold one document)."""
-        if documents is not None:
-            return documents
-        if self.options.position_dims == 2:
-            return None, None
-        documents = find_documents(positions, mask, state, given_positions=given_positions)
-        cp = active_group()
-        if cp is not None and not self.options.causal and given_positions:
-            refuse_packed_bidirectional_rows(documents[0], positions.device, cp)
-        return documents
-
-    def value_bias(self, v, positions, documents, state):
+    def value_bias(self, v, inputs):
         """The encoding's bias from every visible value (FastRPB), over the state's stored history while decoding."""
-        keys = (v, positions, documents)
+        state, keys = inputs.counted_state, (v, inputs.positions, inputs.documents)
         if state is not None:
             state.value_history = state.value_history or ValueHistory()
             keys = state.value_history.append(*keys)
-        return self.positional_encoding.value_bias(keys[0], keys[1], positions, self.options.causal, keys[2], documents)
+        return self.positional_encoding.value_bias(
+            keys[0], keys[1], inputs.positions, self.options.causal, keys[2], inputs.documents
+        )

@@ -18,18 +18,18 @@ from .cache import LinearAttentionCache
 from .configuration_linear_gpt import LinearGPTConfig
 from .context_parallel import active_group, real_tokens_before, refuse_in_context_parallel, tokens_through
 from .forward_arguments import CACHE_ARGUMENTS, CACHE_OUTPUT_FIELD, LOSS_ARGUMENTS, check_extra_arguments, take_cache
-from .label_checks import check_sequence_labels, check_token_labels
+from .heads import PooledSequenceClassification
+from .label_checks import check_token_labels
 from .lm_loss import causal_lm_loss
 from .positional_absolute import build_absolute_position_embedding
 from .positions import (
     check_mask_against_cache,
     default_position_ids,
     given_position_ids,
-    last_real_tokens,
     mask_as_bool,
 )
 from .transformer_layer import Dropout
-from .transformer_stack import LinearPreTrainedModel, LinearTransformerStack, check_segments
+from .transformer_stack import LinearPreTrainedModel, LinearTransformerStack, base_model_output, check_segments
 from .weight_layout import lay_out_for_one_row_products
 
 
@@ -168,14 +168,8 @@ class LinearGPTModel(LinearGPTPreTrainedModel):
             cp = active_group()
             seen = num_tokens if cp is None else tokens_through(num_tokens, hidden_states.device, cp)
             cache.advance(seen, hidden_states.device)
-        if output_hidden_states:
-            all_hidden_states = tuple(all_hidden_states) + (hidden_states,)
-        return BaseModelOutputWithPast(
-            last_hidden_state=hidden_states,
-            hidden_states=all_hidden_states,
-            attentions=tuple(all_attentions) if output_attentions else None,
-            **{CACHE_OUTPUT_FIELD: cache},
-        )
+        fields = {CACHE_OUTPUT_FIELD: cache}
+        return base_model_output(BaseModelOutputWithPast, hidden_states, all_hidden_states, all_attentions, **fields)
 
 
 class LinearGPTForCausalLM(LinearGPTPreTrainedModel, GenerationMixin):
@@ -296,8 +290,12 @@ class LinearGPTForCausalLM(LinearGPTPreTrainedModel, GenerationMixin):
         )
 
 
-class LinearGPTForSequenceClassification(LinearGPTPreTrainedModel):
+class LinearGPTForSequenceClassification(PooledSequenceClassification, LinearGPTPreTrainedModel):
     """Classifies from the last real token (the last position of the attention mask, or the last non-pad token)."""
+
+    pooled = "last"
+    output_type = SequenceClassifierOutputWithPast
+    base_model_keywords = {"use_cache": False}
 
     def __init__(self, config: LinearGPTConfig):
         super().__init__(config)
@@ -306,48 +304,10 @@ class LinearGPTForSequenceClassification(LinearGPTPreTrainedModel):
         self.score = nn.Linear(config.hidden_size, config.num_labels, bias=False)
         self.post_init()
 
-    @can_return_tuple
-    def forward(
-        self,
-        input_ids=None,
-        attention_mask=None,
-        token_type_ids=None,
-        position_ids=None,
-        inputs_embeds=None,
-        labels=None,
-        output_attentions=None,
-        output_hidden_states=None,
-        **kwargs,
-    ) -> SequenceClassifierOutputWithPast:
-        check_extra_arguments(self, kwargs)
-        refuse_in_context_parallel("sequence classification (it pools the last real token, on one rank)")
-        outputs = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            token_type_ids=token_type_ids,
-            position_ids=position_ids,
-            inputs_embeds=inputs_embeds,
-            use_cache=False,
-            output_attentions=output_attentions,
-            output_hidden_states=output_hidden_states,
-        )
-        logits = self.score(outputs.last_hidden_state)
-        batch_size, num_tokens = logits.shape[:2]
-        check_sequence_labels(labels, batch_size, type(self).__name__)
-        last = last_real_tokens(
-            attention_mask, input_ids, self.config.pad_token_id, batch_size, num_tokens, logits.device
-        )
-        pooled_logits = logits[torch.arange(batch_size, device=logits.device), last]
-        loss = None
-        if labels is not None:
-            loss = self.loss_function(logits=logits, labels=labels, pooled_logits=pooled_logits, config=self.config)
-        return SequenceClassifierOutputWithPast(
-            loss=loss, logits=pooled_logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
-        )
+    def classify(self, pooled):
+        return self.score(pooled)
 
 
-# Each model's Auto class: registered on ``import lrpe_hf``, and listed in every saved checkpoint's auto_map, so that a
-# checkpoint of any head loads as any other where lrpe_hf is not installed.
 LinearGPTPreTrainedModel.auto_classes = {
     "AutoModel": LinearGPTModel,
     "AutoModelForCausalLM": LinearGPTForCausalLM,

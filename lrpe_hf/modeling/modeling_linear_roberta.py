@@ -12,7 +12,6 @@ from transformers.modeling_outputs import (
     BaseModelOutput,
     MaskedLMOutput,
     QuestionAnsweringModelOutput,
-    SequenceClassifierOutput,
     TokenClassifierOutput,
 )
 from transformers.utils import can_return_tuple
@@ -20,11 +19,12 @@ from transformers.utils import can_return_tuple
 from .configuration_linear_roberta import LinearRobertaConfig
 from .context_parallel import real_tokens_before, refuse_in_context_parallel
 from .forward_arguments import LOSS_ARGUMENTS, check_extra_arguments
-from .label_checks import check_sequence_labels, check_token_labels
+from .heads import PooledSequenceClassification, TextHead, head_output
+from .label_checks import check_token_labels
 from .positional_absolute import build_absolute_position_embedding
-from .positions import default_position_ids, first_real_tokens, given_position_ids, mask_as_bool
+from .positions import default_position_ids, given_position_ids, mask_as_bool
 from .transformer_layer import Dropout
-from .transformer_stack import LinearPreTrainedModel, LinearTransformerStack, check_segments
+from .transformer_stack import LinearPreTrainedModel, LinearTransformerStack, base_model_output, check_segments
 
 
 class LinearRobertaPreTrainedModel(LinearPreTrainedModel):
@@ -101,18 +101,13 @@ class LinearRobertaModel(LinearRobertaPreTrainedModel):
         hidden_states, all_hidden_states, all_attentions = self.stack(
             hidden_states, mask, position_ids, None, output_hidden_states, given_positions, output_attentions
         )
-        if output_hidden_states:
-            all_hidden_states = tuple(all_hidden_states) + (hidden_states,)
-        return BaseModelOutput(
-            last_hidden_state=hidden_states,
-            hidden_states=all_hidden_states,
-            attentions=tuple(all_attentions) if output_attentions else None,
-        )
+        return base_model_output(BaseModelOutput, hidden_states, all_hidden_states, all_attentions)
 
 
-class LinearRobertaForMaskedLM(LinearRobertaPreTrainedModel):
+class LinearRobertaForMaskedLM(TextHead, LinearRobertaPreTrainedModel):
     accepts_loss_kwargs = True  # the loss divides by the Trainer's num_items_in_batch
     _tied_weights_keys = {"lm_head.decoder.weight": "model.embed_tokens.weight"}
+    loss_arguments = LOSS_ARGUMENTS
 
     def __init__(self, config: LinearRobertaConfig):
         super().__init__(config)
@@ -126,38 +121,14 @@ class LinearRobertaForMaskedLM(LinearRobertaPreTrainedModel):
     def set_output_embeddings(self, new_embeddings):
         self.lm_head.decoder = new_embeddings
 
-    @can_return_tuple
-    def forward(
-        self,
-        input_ids=None,
-        attention_mask=None,
-        token_type_ids=None,
-        position_ids=None,
-        inputs_embeds=None,
-        labels=None,
-        output_attentions=None,
-        output_hidden_states=None,
-        **kwargs,
-    ) -> MaskedLMOutput:
+    def head_outputs(self, outputs, labels, input_ids, attention_mask, **kwargs) -> MaskedLMOutput:
         """labels (B, N): token ids at masked positions, -100 elsewhere."""
-        check_extra_arguments(self, kwargs, accepted=LOSS_ARGUMENTS)
-        outputs = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            token_type_ids=token_type_ids,
-            position_ids=position_ids,
-            inputs_embeds=inputs_embeds,
-            output_attentions=output_attentions,
-            output_hidden_states=output_hidden_states,
-        )
         check_token_labels(labels, *outputs.last_hidden_state.shape[:2], type(self).__name__)
         logits = self.lm_head(outputs.last_hidden_state)
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-        return MaskedLMOutput(
-            loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
-        )
+        return head_output(MaskedLMOutput, outputs, loss, logits=logits)
 
 
 class LinearRobertaLMHead(nn.Module):
@@ -189,9 +160,11 @@ class LinearRobertaClassificationHead(nn.Module):
         return self.out_proj(self.dropout(torch.tanh(self.dense(self.dropout(features)))))
 
 
-class LinearRobertaForSequenceClassification(LinearRobertaPreTrainedModel):
+class LinearRobertaForSequenceClassification(PooledSequenceClassification, LinearRobertaPreTrainedModel):
     """A RoBERTa-style head (dense, tanh, projection) on the first real token (``<s>``), wherever padding stands:
     left-padded batches classify as right-padded ones."""
+
+    pooled = "first"
 
     def __init__(self, config: LinearRobertaConfig):
         super().__init__(config)
@@ -200,46 +173,13 @@ class LinearRobertaForSequenceClassification(LinearRobertaPreTrainedModel):
         self.classifier = LinearRobertaClassificationHead(config)
         self.post_init()
 
-    @can_return_tuple
-    def forward(
-        self,
-        input_ids=None,
-        attention_mask=None,
-        token_type_ids=None,
-        position_ids=None,
-        inputs_embeds=None,
-        labels=None,
-        output_attentions=None,
-        output_hidden_states=None,
-        **kwargs,
-    ) -> SequenceClassifierOutput:
-        """labels (B,) class ids, (B, num_labels) multi-hot floats, or (B,) floats for regression (num_labels=1)."""
-        check_extra_arguments(self, kwargs)
-        refuse_in_context_parallel("sequence classification (it pools the first real token, on one rank)")
-        outputs = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            token_type_ids=token_type_ids,
-            position_ids=position_ids,
-            inputs_embeds=inputs_embeds,
-            output_attentions=output_attentions,
-            output_hidden_states=output_hidden_states,
-        )
-        hidden_states = outputs.last_hidden_state
-        batch_size, num_tokens = hidden_states.shape[:2]
-        check_sequence_labels(labels, batch_size, type(self).__name__)
-        first = first_real_tokens(attention_mask, batch_size, num_tokens, hidden_states.device)
-        logits = self.classifier(hidden_states[torch.arange(batch_size, device=hidden_states.device), first])
-        loss = None
-        if labels is not None:
-            loss = self.loss_function(logits=logits, labels=labels, pooled_logits=logits, config=self.config)
-        return SequenceClassifierOutput(
-            loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
-        )
+    def classify(self, pooled):
+        return self.classifier(pooled)
 
 
-class LinearRobertaForTokenClassification(LinearRobertaPreTrainedModel):
+class LinearRobertaForTokenClassification(TextHead, LinearRobertaPreTrainedModel):
     accepts_loss_kwargs = True  # the loss divides by the Trainer's num_items_in_batch
+    loss_arguments = frozenset({"num_items_in_batch"})
 
     def __init__(self, config: LinearRobertaConfig):
         super().__init__(config)
@@ -250,38 +190,17 @@ class LinearRobertaForTokenClassification(LinearRobertaPreTrainedModel):
         self.classifier = nn.Linear(config.hidden_size, config.num_labels)
         self.post_init()
 
-    @can_return_tuple
-    def forward(
-        self,
-        input_ids=None,
-        attention_mask=None,
-        token_type_ids=None,
-        position_ids=None,
-        inputs_embeds=None,
-        labels=None,
-        output_attentions=None,
-        output_hidden_states=None,
-        **kwargs,
-    ) -> TokenClassifierOutput:
-        """labels (B, N) class ids, -100 ignored. The loss is their mean, or their sum over ``num_items_in_batch``
-        (a keyword argument: the labelled tokens of every batch a gradient step accumulates, or, inside
-        ``context_parallel``, of the whole sequence, so that the ranks' losses add up to one process's)."""
-        check_extra_arguments(self, kwargs, accepted={"num_items_in_batch"})
-        num_items_in_batch = kwargs.get("num_items_in_batch")
-        if labels is not None and num_items_in_batch is None:
+    def refuse_split(self, labels, loss_arguments: dict):
+        if labels is not None and loss_arguments.get("num_items_in_batch") is None:
             refuse_in_context_parallel(
                 "token classification's loss as a mean over one rank's tokens: pass num_items_in_batch, the whole "
                 "sequence's labelled tokens, and each rank's loss is its share"
             )
-        outputs = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            token_type_ids=token_type_ids,
-            position_ids=position_ids,
-            inputs_embeds=inputs_embeds,
-            output_attentions=output_attentions,
-            output_hidden_states=output_hidden_states,
-        )
+
+    def head_outputs(self, outputs, labels, input_ids, attention_mask, num_items_in_batch=None):
+        """labels (B, N) class ids, -100 ignored. The loss is their mean, or their sum over ``num_items_in_batch``
+        (a keyword argument: the labelled tokens of every batch a gradient step accumulates, or, inside
+        ``context_parallel``, of the whole sequence, so that the ranks' losses add up to one process's)."""
         check_token_labels(labels, *outputs.last_hidden_state.shape[:2], type(self).__name__, what="class ids")
         logits = self.classifier(self.dropout(outputs.last_hidden_state))
         loss = None
@@ -289,12 +208,10 @@ class LinearRobertaForTokenClassification(LinearRobertaPreTrainedModel):
             loss = self.loss_function(
                 logits=logits, labels=labels, config=self.config, num_items_in_batch=num_items_in_batch
             )
-        return TokenClassifierOutput(
-            loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
-        )
+        return head_output(TokenClassifierOutput, outputs, loss, logits=logits)
 
 
-class LinearRobertaForQuestionAnswering(LinearRobertaPreTrainedModel):
+class LinearRobertaForQuestionAnswering(TextHead, LinearRobertaPreTrainedModel):
     def __init__(self, config: LinearRobertaConfig):
         super().__init__(config)
         self.model = LinearRobertaModel(config)
@@ -318,30 +235,19 @@ class LinearRobertaForQuestionAnswering(LinearRobertaPreTrainedModel):
         """start_positions, end_positions (B,): the answer span's token indices."""
         check_extra_arguments(self, kwargs)
         refuse_in_context_parallel("question answering (its answer spans index the whole sequence)")
-        outputs = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            token_type_ids=token_type_ids,
-            position_ids=position_ids,
-            inputs_embeds=inputs_embeds,
-            output_attentions=output_attentions,
-            output_hidden_states=output_hidden_states,
-        )
+        outputs = self.base_outputs(
+            input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, output_attentions,
+            output_hidden_states,
+        )  # fmt: skip
         start_logits, end_logits = self.qa_outputs(outputs.last_hidden_state).unbind(-1)
         loss = None
         if start_positions is not None and end_positions is not None:
             loss = self.loss_function(start_logits, end_logits, start_positions, end_positions)
-        return QuestionAnsweringModelOutput(
-            loss=loss,
-            start_logits=start_logits,
-            end_logits=end_logits,
-            hidden_states=outputs.hidden_states,
-            attentions=outputs.attentions,
+        return head_output(
+            QuestionAnsweringModelOutput, outputs, loss, start_logits=start_logits, end_logits=end_logits
         )
 
 
-# Each model's Auto class: registered on ``import lrpe_hf``, and listed in every saved checkpoint's auto_map, so that a
-# checkpoint of any head loads as any other where lrpe_hf is not installed.
 LinearRobertaPreTrainedModel.auto_classes = {
     "AutoModel": LinearRobertaModel,
     "AutoModelForMaskedLM": LinearRobertaForMaskedLM,

@@ -14,11 +14,12 @@ from transformers.utils import can_return_tuple
 from .configuration_linear_vit import LinearViTConfig
 from .context_parallel import refuse_in_context_parallel
 from .forward_arguments import check_extra_arguments
+from .heads import classification_loss, head_output
 from .label_checks import check_sequence_labels
 from .positional_absolute import LearnedPositionEmbedding, SinusoidalPositionEmbedding
 from .registry import positional_encoding_entry
 from .transformer_layer import Dropout
-from .transformer_stack import LinearPreTrainedModel, LinearTransformerStack
+from .transformer_stack import LinearPreTrainedModel, LinearTransformerStack, base_model_output
 
 
 class LinearViTPreTrainedModel(LinearPreTrainedModel):
@@ -159,13 +160,12 @@ class LinearViTModel(LinearViTPreTrainedModel):
             hidden_states, None, positions, None, output_hidden_states, output_attentions=output_attentions
         )
         hidden_states = self.norm(hidden_states)
-        if output_hidden_states:
-            all_hidden_states = tuple(all_hidden_states) + (hidden_states,)
-        return BaseModelOutputWithPooling(
-            last_hidden_state=hidden_states,
+        return base_model_output(
+            BaseModelOutputWithPooling,
+            hidden_states,
+            all_hidden_states,
+            all_attentions,
             pooler_output=hidden_states[:, 0],
-            hidden_states=all_hidden_states,
-            attentions=tuple(all_attentions) if output_attentions else None,
         )
 
 
@@ -197,16 +197,9 @@ class LinearViTForImageClassification(LinearViTPreTrainedModel):
         )
         logits = self.classifier(outputs.pooler_output)
         check_sequence_labels(labels, logits.shape[0], type(self).__name__)
-        loss = None
-        if labels is not None:
-            loss = self.loss_function(logits=logits, labels=labels, pooled_logits=logits, config=self.config)
-        return ImageClassifierOutput(
-            loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
-        )
+        return head_output(ImageClassifierOutput, outputs, classification_loss(self, logits, labels), logits=logits)
 
 
-# Each model's Auto class: registered on ``import lrpe_hf``, and listed in every saved checkpoint's auto_map, so that a
-# checkpoint of any head loads as any other where lrpe_hf is not installed.
 LinearViTPreTrainedModel.auto_classes = {
     "AutoModel": LinearViTModel,
     "AutoModelForImageClassification": LinearViTForImageClassification,

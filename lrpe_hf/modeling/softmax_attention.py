@@ -59,24 +59,12 @@ class SoftmaxAttention(nn.Module):
         self.causal = options.causal
         self.scale = 1.0 / math.sqrt(query_key_dim)
 
-    def forward(
-        self,
-        q,
-        k,
-        v,
-        mask,
-        positions,
-        encoding,
-        state=None,
-        position_steps=None,
-        starts=None,
-        documents=None,
-        reuse_inputs=False,
-        implementation="sdpa",
-    ):
-        """documents (B, N): the document of each token of a packed row, counted across calls (always given with
-        a state), or None for one document; ``implementation``: "sdpa" or "eager"; position_steps, starts and
-        reuse_inputs are unused (see ``KernelAttention``)."""
+    def forward(self, q, k, v, inputs):
+        """``inputs``: the layer's ``AttentionInputs``; of them this path reads the mask, positions, encoding, its
+        state, the documents of a packed row (counted across calls, always given with a state; None: one document)
+        and the softmax implementation ("sdpa" or "eager")."""
+        mask, positions, encoding, state = inputs.mask, inputs.positions, inputs.encoding, inputs.state
+        documents, implementation = inputs.documents, inputs.softmax_implementation
         q, k = encoding.encode_features(q, k, positions)
         B, H, N, _ = q.shape
         key_mask = mask if mask is not None else torch.ones(B, N, dtype=torch.bool, device=q.device)

@@ -15,6 +15,7 @@ from torch.nn import functional as F
 from transformers.activations import ACT2FN
 from transformers.modeling_layers import GradientCheckpointingLayer
 
+from .attention_inputs import LayerCall
 from .context_parallel import active_group, rejoined
 from .linear_attention import LinearAttention
 
@@ -90,29 +91,19 @@ class LinearTransformerLayer(GradientCheckpointingLayer):
         position_ids=None,
         state=None,
         shared_draw=None,
-        documents=None,
-        consecutive=None,
-        count_tokens=True,
-        counters=None,
+        call=None,
         context_group=None,
     ):
         """hidden_states (B, N, hidden) -> (B, N, hidden). ``shared_tables``: the shared draw's tables, passed as
-        tensors so that gradient checkpointing sees them (see ``SPEDraw.with_tables``); ``documents``,
-        ``consecutive``, ``count_tokens``, ``counters``: as ``LinearAttention.forward`` takes them;
-        ``context_group``: the ``context_parallel`` group the call runs in, or None, kept so that gradient
-        checkpointing's recomputation in backward, outside the block, splits the sequence as the call did."""
+        tensors so that gradient checkpointing sees them (see ``SPEDraw.with_tables``); ``call``: the model's
+        ``LayerCall``, as ``LinearAttention.forward`` takes it; ``context_group``: the ``context_parallel`` group the
+        call runs in, or None, kept so that gradient checkpointing's recomputation in backward, outside the block,
+        splits the sequence as the call did."""
         if shared_tables:
             shared_draw = shared_draw.with_tables(shared_tables)
+        call = (call or LayerCall())._replace(softmax_implementation=self.config._attn_implementation)
         attend = dict(
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            state=state,
-            shared_draw=shared_draw,
-            documents=documents,
-            consecutive=consecutive,
-            softmax_implementation=self.config._attn_implementation,
-            count_tokens=count_tokens,
-            counters=counters,
+            attention_mask=attention_mask, position_ids=position_ids, state=state, shared_draw=shared_draw, call=call
         )
         if context_group is not None and active_group() is not context_group:
             with rejoined(context_group):

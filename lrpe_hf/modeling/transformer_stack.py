@@ -11,6 +11,7 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers import initialization as init
 
+from .attention_inputs import LayerCall
 from .context_parallel import active_group, incoming_counters, refuse_packed_bidirectional_rows
 from .positions import check_values, find_documents
 from .registry import positional_encoding_entry
@@ -60,6 +61,7 @@ class LinearTransformerStack(nn.Module):
         # included) sees them as inputs of each layer.
         shared_tables = shared_draw.tables() if shared_draw is not None and hasattr(shared_draw, "tables") else []
         documents, counters = self.documents_and_counters(positions, attention_mask, cache, given_positions)
+        call = LayerCall(documents, consecutive, counters, count_tokens=False)
         all_hidden_states = [] if output_hidden_states else None
         all_attentions = [] if output_attentions else None
         for index, layer in enumerate(self.layers):
@@ -75,10 +77,7 @@ class LinearTransformerStack(nn.Module):
                 position_ids=position_ids,
                 state=state,
                 shared_draw=shared_draw,
-                documents=documents,
-                consecutive=consecutive,
-                count_tokens=False,
-                counters=counters,
+                call=call,
                 context_group=cp,
             )
         if cache is not None:  # every layer saw these tokens: their counters advance once, after all have read them
@@ -117,6 +116,18 @@ class LinearTransformerStack(nn.Module):
         return documents, counters
 
 
+def base_model_output(output_type, hidden_states, all_hidden_states, all_attentions, **fields):
+    """A base model's ``output_type`` record: the last hidden states (B, N, hidden); every layer's input and the last
+    hidden states where they were asked for (``all_hidden_states``, the stack's, None otherwise); every layer's
+    attention weights where they were asked for; and ``fields`` (the pooled output, the cache)."""
+    if all_hidden_states is not None:
+        all_hidden_states = tuple(all_hidden_states) + (hidden_states,)
+    attentions = tuple(all_attentions) if all_attentions is not None else None
+    return output_type(
+        last_hidden_state=hidden_states, hidden_states=all_hidden_states, attentions=attentions, **fields
+    )
+
+
 def check_segments(token_type_ids, type_vocab_size: int = 1):
     """token_type_ids (B, N) must name one of the model's ``type_vocab_size`` segment types. With one (RoBERTa,
     LinearGPT) the model has no segment embedding: all-zero token_type_ids are accepted, others refused."""
@@ -142,7 +153,10 @@ class LinearPreTrainedModel(PreTrainedModel):
     # divides the other losses by the gradient-accumulation steps itself.
     accepts_loss_kwargs = False
     _no_split_modules = ["LinearTransformerLayer"]
-    auto_classes: dict = {}  # Auto class name -> model class, set by each family after its models
+    # Auto class name -> model class, set by each family after its models: registered on ``import lrpe_hf``, and
+    # listed in every saved checkpoint's auto_map, so that a checkpoint of any head loads as any other where lrpe_hf
+    # is not installed.
+    auto_classes: dict = {}
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         """transformers' ``save_pretrained``; a model registered for remote code (``register_for_auto_class``)
