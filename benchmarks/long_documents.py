@@ -142,9 +142,9 @@ def probe_predictions(train_x, train_y, test_x, seed: int) -> np.ndarray:
     return probe.predict(test_x)
 
 
-def make_student(teacher, tokenizer, encoding: str, seed: int, args, folder: Path):
-    """The linearized teacher after attention transfer and hidden-state distillation on 512-token blocks of the
-    Wikipedia leads (kept in ``folder``); and its distillation losses."""
+def make_student(teacher, tokenizer, encoding: str, seed: int, args, folder: Path, texts=None):
+    """The linearized teacher after attention transfer and hidden-state distillation on 512-token blocks of
+    ``texts`` (default: the Wikipedia leads) (kept in ``folder``); and its distillation losses."""
     if (folder / "losses.json").exists():  # written last
         return AutoModel.from_pretrained(folder, trust_remote_code=True), json.loads(
             (folder / "losses.json").read_text()
@@ -153,7 +153,8 @@ def make_student(teacher, tokenizer, encoding: str, seed: int, args, folder: Pat
     student = lrpe_hf.linearize(
         teacher, feature_map="hedgehog", positional_encoding=encoding, absolute_position_embedding="none"
     )
-    texts = (LEADS / "train.txt").read_text(encoding="utf-8").splitlines()
+    if texts is None:
+        texts = (LEADS / "train.txt").read_text(encoding="utf-8").splitlines()
     batches = distillation.text_blocks(tokenizer, texts, 512, args.batch_size, seed=seed)
     transfer = distillation.attention_transfer(student, teacher, batches, args.transfer_steps)
     distill = distillation.distill_hidden_states(student, teacher, batches, args.distill_steps, args.learning_rate)

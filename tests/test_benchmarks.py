@@ -2,6 +2,8 @@
 
 import csv
 import datetime
+import gzip
+import hashlib
 import importlib
 import json
 import math
@@ -19,7 +21,8 @@ from conftest import save_tiny_bert
 
 import lrpe_hf
 
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+ROOT = Path(__file__).resolve().parent.parent
+BENCHMARKS = ROOT / "benchmarks"
 
 
 def test_encodings_benchmark_reports_every_encoding_over_none(tmp_path):
@@ -412,3 +415,63 @@ def test_a_commits_source_hash_is_its_checkouts():
     files = {"lrpe_hf/a.py": b"x = 1\n", "README.md": b"text"}
     assert provenance.source_hash(files) != provenance.source_hash({**files, "lrpe_hf/a.py": b"x = 2\n"})
     assert provenance.source_hash(files) == provenance.source_hash({**files, "README.md": b"other"})
+
+
+def write_documentation(root, task, documents):
+    """A Documentation/ folder of gzipped .rst files and the task's split files naming them, as
+    data/build_embedded_data.py writes them: documents maps split -> [(path, label, text)]."""
+    for split, rows in documents.items():
+        with open(task / f"{split}.csv", "w", newline="") as f:
+            writer = csv.writer(f)
+            writer.writerow(["path", "label", "words", "sha256"])
+            for path, label, text in rows:
+                (root / path).parent.mkdir(parents=True, exist_ok=True)
+                (root / path).write_bytes(gzip.compress(text.encode()))
+                writer.writerow([path, label, len(text.split()), hashlib.sha256(text.encode()).hexdigest()])
+
+
+def test_natural_documents_reads_the_package_and_compares_every_method_with_tf_idf(workspace, tmp_path):
+    """Two subsystems whose documents differ in their words: every method, tf-idf and a student are probed on every
+    validation document at two seeds, each prediction kept; the comparisons are the documents' own differences; a
+    file whose text is not the task's stops the run, naming it."""
+    save_tiny_bert(workspace, tmp_path / "teacher", max_position_embeddings=520)
+    leads = (ROOT / "data/wikipedia_leads/train.txt").read_text(encoding="utf-8").splitlines()
+    words = {"net": " ".join(leads[:40]).split(), "fs": " ".join(leads[40:80]).split()}
+
+    def document(label, index):
+        return " ".join(words[label][index * 50 : index * 50 + 600])  # over 512 tokens: several windows
+
+    root, task = tmp_path / "Documentation", tmp_path / "task"
+    task.mkdir()
+    splits = {"train": range(8), "validation": range(8, 11), "distillation": range(11, 12)}
+    write_documentation(root, task, {
+        split: [(f"{label}/doc{i}.rst.gz", label, document(label, i)) for label in words for i in indices]
+        for split, indices in splits.items()
+    })  # fmt: skip
+    command = [sys.executable, str(BENCHMARKS / "natural_documents.py"), "--teacher", str(tmp_path / "teacher")]
+    command += ["--documentation", str(root), "--task_dir", str(task), "--output_dir", str(tmp_path / "out")]
+    command += ["--encodings", "rope", "--seeds", "0,1", "--transfer_steps", "1", "--distill_steps", "1"]
+    command += ["--batch_size", "1"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = tmp_path / "out"
+    rows = read_csv(out / "results.csv")
+    methods = {"tf-idf", "teacher first 512", "teacher head+tail", "teacher windows, mean", "teacher windows, max",
+               "teacher windows, mean+max", "student rope"}  # fmt: skip
+    assert {(r["method"], r["seed"]) for r in rows} == {(m, s) for m in methods for s in ("0", "1")}
+    predictions = read_csv(out / "predictions.csv")
+    for row in rows:
+        kept = [int(p["correct"]) for p in predictions if (p["method"], p["seed"]) == (row["method"], row["seed"])]
+        assert len(kept) == 6 and float(row["accuracy"]) == pytest.approx(sum(kept) / 6)
+    comparisons = {(c["method"], c["against"]): c for c in read_csv(out / "comparisons.csv")}
+    assert set(comparisons) == {(m, "tf-idf") for m in methods - {"tf-idf"}} | {
+        ("student rope", t) for t in methods - {"tf-idf", "student rope"}
+    }
+    right = {m: [int(p["correct"]) for p in predictions if p["method"] == m] for m in ("student rope", "tf-idf")}
+    difference = (sum(right["student rope"]) - sum(right["tf-idf"])) / len(right["tf-idf"])
+    assert float(comparisons["student rope", "tf-idf"]["difference"]) == pytest.approx(difference)
+    assert json.loads((out / "record.json").read_text())["written_by"] == "benchmarks/natural_documents.py"
+
+    (root / "fs/doc8.rst.gz").write_bytes(gzip.compress(b"another text"))
+    result = subprocess.run(command, capture_output=True, text=True, timeout=900)
+    assert result.returncode != 0 and "fs/doc8.rst.gz: its text is not the one" in result.stderr

@@ -1,0 +1,186 @@
+"""Long documents that were written as documents: the Linux kernel's documentation, classified by subsystem, read
+whole by a linearized student against what people do with the 512-position teacher, and against tf-idf.
+
+The task is ``data/kernel_documents/`` (built by ``data/build_embedded_data.py`` from Debian's ``linux-doc-6.12``):
+the .rst documents of 700-4,000 words in six subsystem folders (admin-guide, networking, driver-api, userspace-api,
+arch, filesystems), labelled by the folder, split by document (415 training, 207 validation); each row gives the
+file's path, its word count and the SHA-256 of its text. The texts are not copied here: they are read from the
+unpacked package (GPL-2.0 and others, a licence line in each file), and a checksum that differs stops the run::
+
+    apt-get download linux-doc-6.12 && dpkg-deb -x linux-doc-6.12_*.deb /tmp/linux-doc
+    python benchmarks/natural_documents.py --documentation /tmp/linux-doc/usr/share/doc/linux-doc-6.12/Documentation \\
+        --output_dir out/natural_documents --encodings lrpe_orthogonal --seeds 0,1,2
+
+The protocol is ``long_documents.py``'s frozen-vector probe (the same teacher, methods and probe; the teacher's
+window methods over every 510-token window). Students are distilled on ``distillation.csv``'s documents: the
+package's other .rst files outside the six folders, so no evaluated document (nor its subsystem's text) reaches a
+student. ``tf-idf``: word unigrams and bigrams of the whole document (sublinear tf, terms in at least 2 training
+documents), a multinomial logistic regression whose L2 strength is chosen by 4-fold cross-validation (folds shuffled
+by the seed). Each method's accuracy over the validation documents per seed; every method against tf-idf and each
+student against every teacher method, paired over seeds and documents
+(``lrpe_hf.training.verdicts.paired_over_seeds_and_items``). Writes ``results.csv``, ``predictions.csv`` (each
+validation document's predicted subsystem per method and seed), ``comparisons.csv``, ``results.md`` and
+``record.json`` to ``--output_dir``.
+"""
+
+import argparse
+import csv
+import gzip
+import hashlib
+import statistics
+from pathlib import Path
+
+import numpy as np
+import torch
+from linearization_quality import fetch_teacher
+from long_documents import TEACHER_METHODS, embedded, make_student, mean_pooled, probe_predictions, teacher_vectors
+from measure import write_csv, write_provenance
+from sklearn.feature_extraction.text import TfidfVectorizer
+from sklearn.linear_model import LogisticRegressionCV
+from sklearn.model_selection import StratifiedKFold
+from sklearn.pipeline import make_pipeline
+from transformers import AutoModel, AutoTokenizer
+
+from lrpe_hf.training.tables import markdown
+from lrpe_hf.training.verdicts import paired_over_seeds_and_items
+
+ROOT = Path(__file__).resolve().parents[1]
+TASK = ROOT / "data" / "kernel_documents"
+
+
+def kernel_documents(split: str, documentation: Path, task: Path = TASK) -> list[dict]:
+    """The split's documents (path, text, label, words) read from the unpacked ``Documentation/`` folder; raises
+    where a file is missing or its text is not the one the task was built from."""
+    with open(task / f"{split}.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    result = []
+    for row in rows:
+        path = documentation / row["path"]
+        if not path.exists():
+            raise FileNotFoundError(f"{path}: not in --documentation (the unpacked linux-doc-6.12's Documentation/)")
+        data = gzip.decompress(path.read_bytes())
+        if hashlib.sha256(data).hexdigest() != row["sha256"]:
+            raise ValueError(f"{path}: its text is not the one {task / split}.csv was built from (another version?)")
+        result.append(dict(path=row["path"], text=data.decode("utf-8"), label=row["label"], words=int(row["words"])))
+    return result
+
+
+def tfidf_predictions(train_texts, train_labels, test_texts, seed: int) -> np.ndarray:
+    """Each test document's label by tf-idf features and a cross-validated logistic regression."""
+    folds = StratifiedKFold(n_splits=4, shuffle=True, random_state=seed)
+    model = make_pipeline(
+        TfidfVectorizer(ngram_range=(1, 2), min_df=2, sublinear_tf=True),
+        LogisticRegressionCV(Cs=[0.1, 1.0, 10.0, 100.0], cv=folds, scoring="accuracy", max_iter=3000),
+    )
+    model.fit(train_texts, train_labels)
+    return model.predict(test_texts)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--documentation", type=Path, required=True, help="the unpacked package's Documentation/")
+    parser.add_argument("--task_dir", type=Path, default=TASK, help="the task's split files (path, label, sha256)")
+    parser.add_argument("--output_dir", default="out/natural_documents")
+    parser.add_argument("--cache_dir", default="out/teachers", help="where the teacher is fetched and unpacked")
+    parser.add_argument("--teacher", default=None, help="a BERT checkpoint folder instead of all-MiniLM-L6-v2")
+    parser.add_argument("--encodings", default="lrpe_orthogonal", help="students' encodings ('' for none)")
+    parser.add_argument("--seeds", default="0,1,2", help="seeds of the students and of the probes' folds")
+    parser.add_argument("--transfer_steps", type=int, default=60)
+    parser.add_argument("--distill_steps", type=int, default=150)
+    parser.add_argument("--learning_rate", type=float, default=2e-4, help="hidden-state distillation")
+    parser.add_argument("--batch_size", type=int, default=4, help="512-token blocks per distillation step")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    pretrained = Path(args.teacher) if args.teacher else fetch_teacher(Path(args.cache_dir))
+    tokenizer = AutoTokenizer.from_pretrained(pretrained)
+    teacher = AutoModel.from_pretrained(pretrained).eval()
+    seeds = [int(s) for s in args.seeds.split(",")]
+    data = {split: kernel_documents(split, args.documentation, args.task_dir) for split in ("train", "validation")}
+    labels = {split: [d["label"] for d in docs] for split, docs in data.items()}
+    tokens = {split: [tokenizer(d["text"], add_special_tokens=False)["input_ids"] for d in docs]
+              for split, docs in data.items()}  # fmt: skip
+
+    vectors = {}  # (method, split, seed or None) -> (documents, features)
+    for split, doc_tokens in tokens.items():
+        per_doc = embedded(
+            out / "vectors" / f"teacher-{split}.pt",
+            lambda doc_tokens=doc_tokens: [teacher_vectors(teacher, tokenizer, t) for t in doc_tokens],
+        )
+        for method in TEACHER_METHODS:
+            vectors[method, split, None] = torch.stack([v[method] for v in per_doc]).numpy()
+    distillation_texts = [d["text"] for d in kernel_documents("distillation", args.documentation, args.task_dir)]
+    for encoding in filter(None, args.encodings.split(",")):
+        for seed in seeds:
+            student, _ = make_student(
+                teacher, tokenizer, encoding, seed, args, out / "students" / f"{encoding}-seed{seed}",
+                texts=distillation_texts,
+            )  # fmt: skip
+            for split, doc_tokens in tokens.items():
+                vectors[f"student {encoding}", split, seed] = embedded(
+                    out / "vectors" / f"student-{encoding}-seed{seed}-{split}.pt",
+                    lambda s=student, d=doc_tokens: torch.cat([mean_pooled(s, [t], tokenizer) for t in d]),
+                ).numpy()
+
+    rows, predictions, right = [], [], {}  # right: (method, seed) -> whether each validation document is right
+    truth = np.asarray(labels["validation"])
+    methods = ["tf-idf", *TEACHER_METHODS, *dict.fromkeys(m for m, _, s in vectors if s is not None)]
+    for method in methods:
+        for seed in seeds:
+            if method == "tf-idf":
+                train_texts, test_texts = ([d["text"] for d in data[split]] for split in ("train", "validation"))
+                predicted = tfidf_predictions(train_texts, labels["train"], test_texts, seed)
+            else:
+                own = seed if (method, "train", seed) in vectors else None
+                train_x, test_x = vectors[method, "train", own], vectors[method, "validation", own]
+                predicted = probe_predictions(train_x, labels["train"], test_x, seed)
+            correct = right[method, seed] = predicted == truth
+            rows.append(dict(method=method, seed=seed, accuracy=float(correct.mean())))
+            for index, (document, guess) in enumerate(zip(data["validation"], predicted)):
+                predictions.append(dict(method=method, seed=seed, document=index, path=document["path"],
+                                        words=document["words"], label=document["label"], predicted=guess,
+                                        correct=int(guess == document["label"])))  # fmt: skip
+
+    pairs = [(m, "tf-idf") for m in methods if m != "tf-idf"]
+    pairs += [(m, t) for m in methods if m.startswith("student") for t in TEACHER_METHODS]
+    comparisons = []
+    for method, against in pairs:
+        test = paired_over_seeds_and_items(
+            np.stack([right[method, s].astype(float) - right[against, s] for s in seeds])
+        )
+        verdict = {"reproduced": "better", "contradicted": "worse"}.get(test.verdict, "inconclusive")
+        comparisons.append(dict(method=method, against=against, seeds=test.pairs, documents=len(truth),
+                                difference=test.mean, low=test.low, high=test.high, p_value=test.p_value,
+                                verdict=verdict))  # fmt: skip
+
+    write_csv(out / "results.csv", None, rows)
+    write_csv(out / "predictions.csv", None, predictions)
+    write_csv(out / "comparisons.csv", None, comparisons)
+    report = summary(rows, comparisons, len(truth))
+    (out / "results.md").write_text("\n".join(report) + "\n")
+    write_provenance(out / "record.json", "cpu")
+    print("\n".join(report))
+
+
+def summary(rows, comparisons, documents: int) -> list[str]:
+    """Markdown: each method's accuracy (mean over seeds, and its seeds' range); the paired comparisons."""
+    body = []
+    for method in dict.fromkeys(r["method"] for r in rows):
+        accuracies = [100 * r["accuracy"] for r in rows if r["method"] == method]
+        body.append([method, str(len(accuracies)), f"{statistics.mean(accuracies):.1f}",
+                     f"{min(accuracies):.1f}-{max(accuracies):.1f}"])  # fmt: skip
+    lines = [f"### Kernel documentation by subsystem: validation accuracy (%) over {documents} documents", ""]
+    lines += markdown(["method", "seeds", "accuracy", "range over seeds"], body)
+    body = [[c["method"], c["against"], str(c["seeds"]), f"{100 * c['difference']:+.1f}",
+             f"[{100 * c['low']:+.1f}, {100 * c['high']:+.1f}]", f"{c['p_value']:.3f}", c["verdict"]]
+            for c in comparisons]  # fmt: skip
+    lines += ["", "### Paired over seeds and documents (points)", ""]
+    lines += markdown(["method", "against", "seeds", "difference", "95% interval", "p", "verdict"], body)
+    return lines
+
+
+if __name__ == "__main__":
+    main()
