@@ -4,8 +4,9 @@ A model finds once per forward what all its layers read alike: a ``LayerCall`` (
 whether the positions are the consecutive defaults, the context-parallel counters, the softmax kernel). Each
 ``LinearAttention`` turns its own call into ``AttentionInputs`` (``attention_inputs``): the bool mask, integer
 positions, the state its positions continue from and the state its path keeps, a decay's steps, the packed
-documents. Its attention path (``KernelAttention``, ``SoftmaxAttention``) takes q, k, v and that record, nothing
-else. A layer called on its own, without a ``LayerCall``, finds every field itself.
+documents. Its attention path (``KernelAttention``, ``SoftmaxAttention``) takes q, k, v and that record, and whether
+q and k are the layer's own temporaries (``reuse_inputs``: a fact about q and k, known only once the encoding has
+acted on them). A layer called on its own, without a ``LayerCall``, finds every field itself.
 """
 
 from typing import NamedTuple
@@ -46,8 +47,7 @@ class AttentionInputs(NamedTuple):
     an encoding that decays with distance, else None; starts (B, N) bool: the tokens that start a document of a
     packed row, and documents (B, N): their running count across calls (both None: one document); consecutive: the
     positions are the default ones without padding (a decay by distance is the same at every token);
-    softmax_implementation: as ``LayerCall``'s; reuse_inputs: q and k are the layer's temporaries, which the
-    feature map may overwrite.
+    softmax_implementation: as ``LayerCall``'s.
     """
 
     mask: torch.Tensor | None
@@ -61,7 +61,6 @@ class AttentionInputs(NamedTuple):
     documents: torch.Tensor | None = None
     consecutive: bool = False
     softmax_implementation: str = "sdpa"
-    reuse_inputs: bool = False
 
 
 def attention_inputs(layer, mask, position_ids, state, call: LayerCall, batch_size: int, num_tokens: int, device):

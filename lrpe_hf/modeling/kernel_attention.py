@@ -109,13 +109,14 @@ class KernelAttention(nn.Module):
         elif self.normalization == "output_layer_norm":
             self.output_norm = nn.LayerNorm(head_dim * options.num_heads, eps=options.eps)
 
-    def forward(self, q, k, v, inputs):
+    def forward(self, q, k, v, inputs, reuse_inputs=False):
         """``inputs``: the layer's ``AttentionInputs`` (mask, positions, encoding, this path's state for causal
         decoding, a decay's position steps, packed rows' starts; ``consecutive``: each token one past the one before,
-        so a decay by distance is the same at every token: nothing to look at)."""
+        so a decay by distance is the same at every token: nothing to look at); ``reuse_inputs``: q and k are the
+        layer's temporaries, which the feature map may overwrite."""
         state, starts = inputs.state, inputs.starts
         local_documents = None if starts is None else starts.long().cumsum(-1)
-        features, tq, tk = self.encoded_features(q, k, inputs, local_documents)
+        features, tq, tk = self.encoded_features(q, k, inputs, local_documents, reuse_inputs)
         gates, known_decay = self.gates(features, inputs, q.dtype)
         with_denominator = self.normalization == "denominator"
         # without a stabiliser or a gradient, the causal product divides by the denominator as it goes
@@ -147,7 +148,7 @@ class KernelAttention(nn.Module):
             )
         return self.normalized(out, denominator, features.log_scale)
 
-    def encoded_features(self, q, k, inputs, local_documents):
+    def encoded_features(self, q, k, inputs, local_documents, reuse_inputs: bool):
         """The feature map's ``Features`` of q and k, and their encoded forms tq, tk (B, H, N, m): stacked for a
         decoding step where it can (``stacks``)."""
         mask, positions, encoding, state = inputs.mask, inputs.positions, inputs.encoding, inputs.state
@@ -155,7 +156,7 @@ class KernelAttention(nn.Module):
             features, (tq, tk) = self.stacked_features(q, k, mask, positions, encoding)
         else:
             key_max = state.key_max if state else None
-            features = self.feature_map.features(q, k, mask, self.causal, key_max, local_documents, inputs.reuse_inputs)
+            features = self.feature_map.features(q, k, mask, self.causal, key_max, local_documents, reuse_inputs)
             tq, tk = encoding.encode_features(features.query, features.key, positions)
         if active_group() is not None and (features.log_scale is not None or features.key_max is not None):
             raise ValueError(

@@ -150,7 +150,7 @@ class LinearAttention(nn.Module):
         projected = q, k
         q, k = self.positional_encoding.encode_query_key(q, k, inputs.positions, shared_draw)
         reuse_inputs = q is projected[0] and k is projected[1]  # this call's own: the feature map may overwrite them
-        out = self.attention(q, k, v, inputs._replace(reuse_inputs=reuse_inputs))
+        out = self.attention(q, k, v, inputs, reuse_inputs)
         if self.positional_encoding.has_value_bias:
             out = out + self.value_bias(v, inputs)
         if mask is not None:

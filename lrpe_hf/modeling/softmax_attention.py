@@ -59,10 +59,10 @@ class SoftmaxAttention(nn.Module):
         self.causal = options.causal
         self.scale = 1.0 / math.sqrt(query_key_dim)
 
-    def forward(self, q, k, v, inputs):
+    def forward(self, q, k, v, inputs, reuse_inputs=False):
         """``inputs``: the layer's ``AttentionInputs``; of them this path reads the mask, positions, encoding, its
         state, the documents of a packed row (counted across calls, always given with a state; None: one document)
-        and the softmax implementation ("sdpa" or "eager")."""
+        and the softmax implementation ("sdpa" or "eager"). ``reuse_inputs`` is unused (see ``KernelAttention``)."""
         mask, positions, encoding, state = inputs.mask, inputs.positions, inputs.encoding, inputs.state
         documents, implementation = inputs.documents, inputs.softmax_implementation
         q, k = encoding.encode_features(q, k, positions)

@@ -101,7 +101,7 @@ class LinearTransformerLayer(GradientCheckpointingLayer):
         splits the sequence as the call did."""
         if shared_tables:
             shared_draw = shared_draw.with_tables(shared_tables)
-        call = (call or LayerCall())._replace(softmax_implementation=self.config._attn_implementation)
+        call = call if call is not None else LayerCall(softmax_implementation=self.config._attn_implementation)
         attend = dict(
             attention_mask=attention_mask, position_ids=position_ids, state=state, shared_draw=shared_draw, call=call
         )

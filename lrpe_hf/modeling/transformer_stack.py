@@ -61,7 +61,8 @@ class LinearTransformerStack(nn.Module):
         # included) sees them as inputs of each layer.
         shared_tables = shared_draw.tables() if shared_draw is not None and hasattr(shared_draw, "tables") else []
         documents, counters = self.documents_and_counters(positions, attention_mask, cache, given_positions)
-        call = LayerCall(documents, consecutive, counters, count_tokens=False)
+        softmax_implementation = self.layers[0].config._attn_implementation  # read now: it can change after building
+        call = LayerCall(documents, consecutive, counters, False, softmax_implementation)
         all_hidden_states = [] if output_hidden_states else None
         all_attentions = [] if output_attentions else None
         for index, layer in enumerate(self.layers):
