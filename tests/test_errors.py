@@ -196,3 +196,25 @@ def test_double_backward_works_or_says_it_is_not_supported(encoding, causal):
         assert "differentiate twice a function that was marked with @once_differentiable" in str(error)
     else:
         assert torch.isfinite(x.grad).all()
+
+
+@pytest.mark.parametrize(
+    "head",
+    [
+        lrpe_hf.LinearRobertaForMaskedLM,
+        lrpe_hf.LinearRobertaForSequenceClassification,
+        lrpe_hf.LinearRobertaForTokenClassification,
+        lrpe_hf.LinearGPTForSequenceClassification,
+    ],
+)
+def test_a_text_head_takes_what_transformers_passes_for_nothing_and_refuses_the_rest(head):
+    """transformers' neutral arguments (cache_position) reach a head's forward and are set aside, not handed to its
+    loss or output; an argument of no meaning here raises, naming it."""
+    family = lrpe_hf.LinearGPTConfig if "GPT" in head.__name__ else lrpe_hf.LinearRobertaConfig
+    config = family(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32)
+    model = head(config).eval()
+    ids = torch.randint(3, 50, (2, 5))
+    plain = model(ids).logits
+    torch.testing.assert_close(model(ids, cache_position=torch.arange(5)).logits, plain)
+    with pytest.raises(TypeError, match="does not use: past_lengths"):
+        model(ids, past_lengths=3)

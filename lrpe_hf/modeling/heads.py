@@ -61,12 +61,13 @@ class TextHead:
         """input_ids (B, N), attention_mask (B, N) (1 for tokens, 0 for padding) and the rest as the base model takes
         them; labels as the head's ``head_outputs`` says."""
         check_extra_arguments(self, kwargs, accepted=self.loss_arguments)
-        self.refuse_split(labels, kwargs)
+        loss_arguments = {name: value for name, value in kwargs.items() if name in self.loss_arguments}
+        self.refuse_split(labels, loss_arguments)
         outputs = self.base_outputs(
             input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, output_attentions,
             output_hidden_states,
         )  # fmt: skip
-        return self.head_outputs(outputs, labels, input_ids, attention_mask, **kwargs)
+        return self.head_outputs(outputs, labels, input_ids, attention_mask, **loss_arguments)
 
     def refuse_split(self, labels, loss_arguments: dict):
         """Raise inside ``context_parallel`` where the head cannot be split over the ranks (nothing by default)."""
