@@ -476,6 +476,16 @@ def clm_command(workspace, out, steps):
     ]
 
 
+def complete_json(path) -> bool:
+    """Whether ``path`` holds a whole JSON document: a file being written exists half-written, and a run killed then
+    leaves a checkpoint that cannot be resumed (what this test means to kill is a run between two checkpoints)."""
+    try:
+        json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return False
+    return True
+
+
 def test_killed_run_resumes_to_the_same_weights(workspace):
     """SIGKILL mid-way, resume from the last checkpoint: the same final weights as an uninterrupted run
     (dropout and SPE's random draws included, through the checkpointed RNG states)."""
@@ -485,7 +495,7 @@ def test_killed_run_resumes_to_the_same_weights(workspace):
         clm_command(workspace, interrupted, 8), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
     deadline = time.time() + 300
-    while not (interrupted / "checkpoint-4" / "trainer_state.json").exists():
+    while not complete_json(interrupted / "checkpoint-4" / "trainer_state.json"):  # the checkpoint's last file
         assert time.time() < deadline and process.poll() is None, "the run ended before its fourth step"
         time.sleep(0.05)
     process.send_signal(signal.SIGKILL)
