@@ -224,33 +224,43 @@ def costs(teacher_folder: Path, student_folder: Path, lengths: list[int]) -> tup
     return rows, timed_rounds
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--output_dir", default="out/long_documents")
+def add_student_arguments(parser):
+    """The teacher's, the students' distillation and the threads' flags, shared with natural_documents.py."""
     parser.add_argument("--cache_dir", default="out/teachers", help="where the teacher is fetched and unpacked")
     parser.add_argument("--teacher", default=None, help="a BERT checkpoint folder instead of all-MiniLM-L6-v2")
-    parser.add_argument("--encodings", default="lrpe_orthogonal,rope,permute")
-    parser.add_argument("--seeds", default="0,1,2", help="seeds of every encoding's student and of the probes")
-    parser.add_argument("--seeds_of", default="", help="ENCODING=SEED+SEED,...: other seeds for some encodings")
-    parser.add_argument("--documents", type=int, default=0, help="use every k-th document, N per split (0: all)")
     parser.add_argument("--transfer_steps", type=int, default=60)
     parser.add_argument("--distill_steps", type=int, default=150)
     parser.add_argument("--learning_rate", type=float, default=2e-4, help="hidden-state distillation")
     parser.add_argument("--batch_size", type=int, default=4, help="512-token blocks per distillation step")
-    parser.add_argument("--cost_lengths", default="512,1024,2048,4096,8192")
-    parser.add_argument("--short_text_rows", type=int, default=3000, help="training tweets of the short-text probe")
-    parser.add_argument(
-        "--students_only", action="store_true", help="make the students and their vectors (kept), no report"
-    )
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    args = parser.parse_args()
+
+
+def prepared_run(args):
+    """(the output folder, made; the teacher's folder, its tokenizer and the teacher in eval mode), torch's threads
+    set from ``args``."""
     if args.threads:
         torch.set_num_threads(args.threads)
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     pretrained = Path(args.teacher) if args.teacher else fetch_teacher(Path(args.cache_dir))
-    tokenizer = AutoTokenizer.from_pretrained(pretrained)
-    teacher = AutoModel.from_pretrained(pretrained).eval()
+    return out, pretrained, AutoTokenizer.from_pretrained(pretrained), AutoModel.from_pretrained(pretrained).eval()
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--output_dir", default="out/long_documents")
+    parser.add_argument("--encodings", default="lrpe_orthogonal,rope,permute")
+    parser.add_argument("--seeds", default="0,1,2", help="seeds of every encoding's student and of the probes")
+    parser.add_argument("--seeds_of", default="", help="ENCODING=SEED+SEED,...: other seeds for some encodings")
+    parser.add_argument("--documents", type=int, default=0, help="use every k-th document, N per split (0: all)")
+    add_student_arguments(parser)
+    parser.add_argument("--cost_lengths", default="512,1024,2048,4096,8192")
+    parser.add_argument("--short_text_rows", type=int, default=3000, help="training tweets of the short-text probe")
+    parser.add_argument(
+        "--students_only", action="store_true", help="make the students and their vectors (kept), no report"
+    )
+    args = parser.parse_args()
+    out, pretrained, tokenizer, teacher = prepared_run(args)
     seeds = [int(s) for s in args.seeds.split(",")]
     seeds_of = {
         e: [int(s) for s in v.split("+")] for e, v in (item.split("=") for item in args.seeds_of.split(",") if item)

@@ -32,14 +32,21 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from linearization_quality import fetch_teacher
-from long_documents import TEACHER_METHODS, embedded, make_student, mean_pooled, probe_predictions, teacher_vectors
+from long_documents import (
+    TEACHER_METHODS,
+    add_student_arguments,
+    embedded,
+    make_student,
+    mean_pooled,
+    prepared_run,
+    probe_predictions,
+    teacher_vectors,
+)
 from measure import write_csv, write_provenance
 from sklearn.feature_extraction.text import TfidfVectorizer
 from sklearn.linear_model import LogisticRegressionCV
 from sklearn.model_selection import StratifiedKFold
 from sklearn.pipeline import make_pipeline
-from transformers import AutoModel, AutoTokenizer
 
 from lrpe_hf.training.tables import markdown
 from lrpe_hf.training.verdicts import paired_over_seeds_and_items
@@ -81,23 +88,11 @@ def main():
     parser.add_argument("--documentation", type=Path, required=True, help="the unpacked package's Documentation/")
     parser.add_argument("--task_dir", type=Path, default=TASK, help="the task's split files (path, label, sha256)")
     parser.add_argument("--output_dir", default="out/natural_documents")
-    parser.add_argument("--cache_dir", default="out/teachers", help="where the teacher is fetched and unpacked")
-    parser.add_argument("--teacher", default=None, help="a BERT checkpoint folder instead of all-MiniLM-L6-v2")
     parser.add_argument("--encodings", default="lrpe_orthogonal", help="students' encodings ('' for none)")
     parser.add_argument("--seeds", default="0,1,2", help="seeds of the students and of the probes' folds")
-    parser.add_argument("--transfer_steps", type=int, default=60)
-    parser.add_argument("--distill_steps", type=int, default=150)
-    parser.add_argument("--learning_rate", type=float, default=2e-4, help="hidden-state distillation")
-    parser.add_argument("--batch_size", type=int, default=4, help="512-token blocks per distillation step")
-    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    add_student_arguments(parser)
     args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    out = Path(args.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    pretrained = Path(args.teacher) if args.teacher else fetch_teacher(Path(args.cache_dir))
-    tokenizer = AutoTokenizer.from_pretrained(pretrained)
-    teacher = AutoModel.from_pretrained(pretrained).eval()
+    out, _, tokenizer, teacher = prepared_run(args)
     seeds = [int(s) for s in args.seeds.split(",")]
     data = {split: kernel_documents(split, args.documentation, args.task_dir) for split in ("train", "validation")}
     labels = {split: [d["label"] for d in docs] for split, docs in data.items()}
@@ -112,8 +107,11 @@ def main():
         )
         for method in TEACHER_METHODS:
             vectors[method, split, None] = torch.stack([v[method] for v in per_doc]).numpy()
-    distillation_texts = [d["text"] for d in kernel_documents("distillation", args.documentation, args.task_dir)]
-    for encoding in filter(None, args.encodings.split(",")):
+    encodings = [encoding for encoding in args.encodings.split(",") if encoding]
+    if encodings:  # the distillation files are read only for students
+        distillation = kernel_documents("distillation", args.documentation, args.task_dir)
+        distillation_texts = [d["text"] for d in distillation]
+    for encoding in encodings:
         for seed in seeds:
             student, _ = make_student(
                 teacher, tokenizer, encoding, seed, args, out / "students" / f"{encoding}-seed{seed}",
