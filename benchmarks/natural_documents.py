@@ -123,27 +123,43 @@ def main():
                     lambda s=student, d=doc_tokens: torch.cat([mean_pooled(s, [t], tokenizer) for t in d]),
                 ).numpy()
 
-    rows, predictions, right = [], [], {}  # right: (method, seed) -> whether each validation document is right
-    truth = np.asarray(labels["validation"])
+    predicted = {}  # (method, seed) -> each validation document's predicted label
     methods = ["tf-idf", *TEACHER_METHODS, *dict.fromkeys(m for m, _, s in vectors if s is not None)]
     for method in methods:
         for seed in seeds:
             if method == "tf-idf":
-                train_texts, test_texts = ([d["text"] for d in data[split]] for split in ("train", "validation"))
-                predicted = tfidf_predictions(train_texts, labels["train"], test_texts, seed)
+                predicted[method, seed] = tfidf_of(data, seed)
             else:
                 own = seed if (method, "train", seed) in vectors else None
                 train_x, test_x = vectors[method, "train", own], vectors[method, "validation", own]
-                predicted = probe_predictions(train_x, labels["train"], test_x, seed)
-            correct = right[method, seed] = predicted == truth
-            rows.append(dict(method=method, seed=seed, accuracy=float(correct.mean())))
-            for index, (document, guess) in enumerate(zip(data["validation"], predicted)):
-                predictions.append(dict(method=method, seed=seed, document=index, path=document["path"],
-                                        words=document["words"], label=document["label"], predicted=guess,
-                                        correct=int(guess == document["label"])))  # fmt: skip
+                predicted[method, seed] = probe_predictions(train_x, labels["train"], test_x, seed)
+    print("\n".join(write_report(out, data["validation"], predicted, "frozen vectors and a probe")))
 
+
+def tfidf_of(data: dict, seed: int) -> np.ndarray:
+    """tf-idf's prediction for each validation document of ``data`` (split -> documents), trained on its training
+    documents."""
+    train, test = data["train"], data["validation"]
+    return tfidf_predictions([d["text"] for d in train], [d["label"] for d in train], [d["text"] for d in test], seed)
+
+
+def write_report(out: Path, documents: list[dict], predicted: dict, protocol: str) -> list[str]:
+    """Each method's accuracy per seed, every validation document's prediction, every method against tf-idf and each
+    student against every teacher method (paired over seeds and documents), a Markdown summary and the record, all
+    in ``out``; ``predicted``: (method, seed) -> the documents' predicted labels. Returns the summary's lines."""
+    rows, predictions, right = [], [], {}  # right: (method, seed) -> whether each document is right
+    truth = np.asarray([d["label"] for d in documents])
+    for (method, seed), guesses in predicted.items():
+        correct = right[method, seed] = np.asarray(guesses) == truth
+        rows.append(dict(method=method, seed=seed, accuracy=float(correct.mean())))
+        for index, (document, guess) in enumerate(zip(documents, guesses)):
+            predictions.append(dict(method=method, seed=seed, document=index, path=document["path"],
+                                    words=document["words"], label=document["label"], predicted=guess,
+                                    correct=int(guess == document["label"])))  # fmt: skip
+    methods = list(dict.fromkeys(method for method, _ in predicted))
+    seeds = list(dict.fromkeys(seed for _, seed in predicted))
     pairs = [(m, "tf-idf") for m in methods if m != "tf-idf"]
-    pairs += [(m, t) for m in methods if m.startswith("student") for t in TEACHER_METHODS]
+    pairs += [(m, t) for m in methods if m.startswith("student") for t in methods if t.startswith("teacher")]
     comparisons = []
     for method, against in pairs:
         test = paired_over_seeds_and_items(
@@ -157,20 +173,21 @@ def main():
     write_csv(out / "results.csv", None, rows)
     write_csv(out / "predictions.csv", None, predictions)
     write_csv(out / "comparisons.csv", None, comparisons)
-    report = summary(rows, comparisons, len(truth))
+    report = summary(rows, comparisons, len(truth), protocol)
     (out / "results.md").write_text("\n".join(report) + "\n")
-    write_provenance(out / "record.json", "cpu")
-    print("\n".join(report))
+    write_provenance(out / "record.json", "cuda" if torch.cuda.is_available() else "cpu")
+    return report
 
 
-def summary(rows, comparisons, documents: int) -> list[str]:
+def summary(rows, comparisons, documents: int, protocol: str) -> list[str]:
     """Markdown: each method's accuracy (mean over seeds, and its seeds' range); the paired comparisons."""
     body = []
     for method in dict.fromkeys(r["method"] for r in rows):
         accuracies = [100 * r["accuracy"] for r in rows if r["method"] == method]
         body.append([method, str(len(accuracies)), f"{statistics.mean(accuracies):.1f}",
                      f"{min(accuracies):.1f}-{max(accuracies):.1f}"])  # fmt: skip
-    lines = [f"### Kernel documentation by subsystem: validation accuracy (%) over {documents} documents", ""]
+    lines = [f"### Kernel documentation by subsystem ({protocol}): validation accuracy (%), {documents} documents"]
+    lines += [""]
     lines += markdown(["method", "seeds", "accuracy", "range over seeds"], body)
     body = [[c["method"], c["against"], str(c["seeds"]), f"{100 * c['difference']:+.1f}",
              f"[{100 * c['low']:+.1f}, {100 * c['high']:+.1f}]", f"{c['p_value']:.3f}", c["verdict"]]

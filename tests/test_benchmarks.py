@@ -430,16 +430,16 @@ def write_documentation(root, task, documents):
                 writer.writerow([path, label, len(text.split()), hashlib.sha256(text.encode()).hexdigest()])
 
 
-def test_natural_documents_reads_the_package_and_compares_every_method_with_tf_idf(workspace, tmp_path):
-    """Two subsystems whose documents differ in their words: every method, tf-idf and a student are probed on every
-    validation document at two seeds, each prediction kept; the comparisons are the documents' own differences; a
-    file whose text is not the task's stops the run, naming it."""
+@pytest.fixture
+def kernel_corpus(workspace, tmp_path):
+    """(a tiny Documentation/ folder, its task's split files, a tiny teacher): two subsystems whose documents differ
+    in their words, each document over 512 tokens (several windows)."""
     save_tiny_bert(workspace, tmp_path / "teacher", max_position_embeddings=520)
     leads = (ROOT / "data/wikipedia_leads/train.txt").read_text(encoding="utf-8").splitlines()
     words = {"net": " ".join(leads[:40]).split(), "fs": " ".join(leads[40:80]).split()}
 
     def document(label, index):
-        return " ".join(words[label][index * 50 : index * 50 + 600])  # over 512 tokens: several windows
+        return " ".join(words[label][index * 50 : index * 50 + 600])
 
     root, task = tmp_path / "Documentation", tmp_path / "task"
     task.mkdir()
@@ -448,7 +448,15 @@ def test_natural_documents_reads_the_package_and_compares_every_method_with_tf_i
         split: [(f"{label}/doc{i}.rst.gz", label, document(label, i)) for label in words for i in indices]
         for split, indices in splits.items()
     })  # fmt: skip
-    command = [sys.executable, str(BENCHMARKS / "natural_documents.py"), "--teacher", str(tmp_path / "teacher")]
+    return root, task, tmp_path / "teacher"
+
+
+def test_natural_documents_reads_the_package_and_compares_every_method_with_tf_idf(kernel_corpus, tmp_path):
+    """Every method, tf-idf and a student are probed on every validation document at two seeds, each prediction
+    kept; the comparisons are the documents' own differences; a file whose text is not the task's stops the run,
+    naming it."""
+    root, task, teacher = kernel_corpus
+    command = [sys.executable, str(BENCHMARKS / "natural_documents.py"), "--teacher", str(teacher)]
     command += ["--documentation", str(root), "--task_dir", str(task), "--output_dir", str(tmp_path / "out")]
     command += ["--encodings", "rope", "--seeds", "0,1", "--transfer_steps", "1", "--distill_steps", "1"]
     command += ["--batch_size", "1"]
@@ -475,3 +483,66 @@ def test_natural_documents_reads_the_package_and_compares_every_method_with_tf_i
     (root / "fs/doc8.rst.gz").write_bytes(gzip.compress(b"another text"))
     result = subprocess.run(command, capture_output=True, text=True, timeout=900)
     assert result.returncode != 0 and "fs/doc8.rst.gz: its text is not the one" in result.stderr
+
+
+def test_natural_documents_fine_tuned_trains_every_method_and_resumes(kernel_corpus, tmp_path):
+    """Each teacher method and a student fine-tuned at two seeds (the defaults but one epoch), every validation
+    document's prediction kept and compared as the probe's are, tf-idf among them; a rerun into the same folder
+    trains nothing again."""
+    root, task, teacher = kernel_corpus
+    command = [sys.executable, str(BENCHMARKS / "natural_documents_fine_tuned.py"), "--teacher", str(teacher)]
+    command += ["--documentation", str(root), "--task_dir", str(task), "--output_dir", str(tmp_path / "out")]
+    command += ["--students_dir", str(tmp_path / "students"), "--encodings", "rope", "--seeds", "0,1"]
+    command += ["--epochs", "1", "--transfer_steps", "1", "--distill_steps", "1", "--batch_size", "1"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = tmp_path / "out"
+    methods = {"tf-idf", "teacher first 512", "teacher head+tail", "teacher windows, mean", "student rope"}
+    rows = read_csv(out / "results.csv")
+    assert {(r["method"], r["seed"]) for r in rows} == {(m, s) for m in methods for s in ("0", "1")}
+    predictions = read_csv(out / "predictions.csv")
+    for row in rows:
+        kept = [int(p["correct"]) for p in predictions if (p["method"], p["seed"]) == (row["method"], row["seed"])]
+        assert len(kept) == 6 and float(row["accuracy"]) == pytest.approx(sum(kept) / 6)
+    comparisons = {(c["method"], c["against"]) for c in read_csv(out / "comparisons.csv")}
+    assert comparisons == {(m, "tf-idf") for m in methods - {"tf-idf"}} | {
+        ("student rope", t) for t in methods - {"tf-idf", "student rope"}
+    }
+    training = read_csv(out / "training.csv")
+    assert {(r["method"], r["seed"]) for r in training} == {(m, s) for m in methods - {"tf-idf"} for s in ("0", "1")}
+    assert all(math.isfinite(float(r["training_loss"])) for r in training)
+    assert (tmp_path / "students" / "rope-seed1" / "losses.json").exists()  # made where it was missing
+
+    kept_runs = {path: path.stat().st_mtime_ns for path in (out / "runs").iterdir()}
+    assert len(kept_runs) == 8
+    result = subprocess.run(command, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert {path: path.stat().st_mtime_ns for path in (out / "runs").iterdir()} == kept_runs
+    assert read_csv(out / "results.csv") == rows
+
+
+def test_a_fine_tuned_document_is_the_mean_of_its_windows_and_learns_from_each(workspace, tmp_path):
+    """The classifier's vector of a document read in windows of unequal length is the mean of each window's
+    mean-pooled vector computed alone (the probe's pooling, no padding), and the loss reaches the embeddings of
+    tokens that only the last window holds."""
+    from transformers import AutoModel, AutoTokenizer
+
+    sys.path.insert(0, str(BENCHMARKS))
+    fine_tuned = importlib.import_module("natural_documents_fine_tuned")
+    long_documents = importlib.import_module("long_documents")
+    folder = save_tiny_bert(workspace, tmp_path / "teacher", max_position_embeddings=520)
+    tokenizer, encoder = AutoTokenizer.from_pretrained(folder), AutoModel.from_pretrained(folder)
+    last, unseen = range(300, 350), range(350, encoder.config.vocab_size)  # only the last window holds 300-349
+    tokens = [10 + i % 290 for i in range(510)] + list(last)
+    rows = fine_tuned.rows_of("teacher windows, mean", tokens)
+    assert [len(r) for r in rows] == [510, 50]
+    classifier = fine_tuned.DocumentClassifier(encoder, labels=3).eval()
+    batch = fine_tuned.OneDocument(tokenizer.pad_token_id)(
+        [dict(input_ids=[fine_tuned.with_special_tokens(tokenizer, r) for r in rows], labels=1)]
+    )
+    output = classifier(**batch)
+    alone = torch.cat([long_documents.mean_pooled(encoder, [row], tokenizer) for row in rows]).mean(0)
+    torch.testing.assert_close(output["logits"][0], classifier.classifier(alone), rtol=1e-5, atol=1e-5)
+    output["loss"].backward()
+    gradient = encoder.embeddings.word_embeddings.weight.grad
+    assert gradient[last].abs().sum(-1).min() > 0 and gradient[unseen].abs().sum() == 0
