@@ -96,18 +96,18 @@ def write_table(out: Path, name: str, fields: list[str], rows: list[dict], round
         print("| " + " | ".join(str(row[field]) for field in fields) + " |")
 
 
-def write_provenance(path, device: str, files=None):
+def write_provenance(path, device: str, files=None, append: bool = False):
     """``path`` (a JSON record beside the run's CSVs, ``lrpe_hf.training.provenance``): the command, the commit and
     whether the tree was clean, the machine, torch and transformers versions, threads, date and seconds. ``files``:
     the CSVs it covers (default: those this process wrote into ``path``'s folder, else the one named like
-    ``path``)."""
+    ``path``); ``append``: keep the entries of earlier invocations whose kept results this one read back."""
     path = Path(path)
     if files is None:
         started = time.time() - process_seconds() - 1
         files = [table.name for table in sorted(path.parent.glob("*.csv")) if table.stat().st_mtime >= started]
     script = os.path.relpath(os.path.abspath(sys.argv[0]), Path(__file__).resolve().parents[1])
     allocator = allocator_note() if device == "cpu" else "CUDA caching allocator"
-    return write_record(path, files or [path.stem + ".csv"], script, device, allocator=allocator)
+    return write_record(path, files or [path.stem + ".csv"], script, device, append=append, allocator=allocator)
 
 
 def resident_mb():

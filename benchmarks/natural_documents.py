@@ -146,7 +146,9 @@ def tfidf_of(data: dict, seed: int) -> np.ndarray:
 def write_report(out: Path, documents: list[dict], predicted: dict, protocol: str) -> list[str]:
     """Each method's accuracy per seed, every validation document's prediction, every method against tf-idf and each
     student against every teacher method (paired over seeds and documents), a Markdown summary and the record, all
-    in ``out``; ``predicted``: (method, seed) -> the documents' predicted labels. Returns the summary's lines."""
+    in ``out``; ``predicted``: (method, seed) -> the documents' predicted labels. The record keeps the entries of
+    earlier invocations into ``out``, whose kept vectors or runs this one may have read back. Returns the summary's
+    lines."""
     rows, predictions, right = [], [], {}  # right: (method, seed) -> whether each document is right
     truth = np.asarray([d["label"] for d in documents])
     for (method, seed), guesses in predicted.items():
@@ -175,7 +177,7 @@ def write_report(out: Path, documents: list[dict], predicted: dict, protocol: st
     write_csv(out / "comparisons.csv", None, comparisons)
     report = summary(rows, comparisons, len(truth), protocol)
     (out / "results.md").write_text("\n".join(report) + "\n")
-    write_provenance(out / "record.json", "cuda" if torch.cuda.is_available() else "cpu")
+    write_provenance(out / "record.json", "cuda" if torch.cuda.is_available() else "cpu", append=True)
     return report
 
 
