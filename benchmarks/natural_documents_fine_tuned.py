@@ -18,8 +18,8 @@ with 10% warm-up then linear decay and weight decay 0.01, ``--epochs`` epochs, d
 autocast unless ``--precision fp32``; the seed sets the head, the dropout and the documents' order, and picks the
 student. No validation document is seen before it is predicted. Writes what ``natural_documents.py`` writes
 (``results.csv``, ``predictions.csv``, ``comparisons.csv``, ``results.md``, ``record.json``) and ``training.csv``
-(each run's mean training loss and seconds) to ``--output_dir``; each run's predictions are kept in its ``runs/``,
-so a rerun into the same folder goes on where the last one stopped::
+(each run's mean training loss and seconds) to ``--output_dir``; each run's predictions and settings are kept in its
+``runs/``, so a rerun into the same folder with the same settings goes on where the last one stopped::
 
     python benchmarks/natural_documents_fine_tuned.py --documentation DIR --cache_dir out/teachers \\
         --students_dir out/natural_documents/students --output_dir out/natural_documents_fine_tuned
@@ -40,6 +40,7 @@ from transformers import AutoModel, Trainer, TrainingArguments, set_seed
 from lrpe_hf.training.distillation import with_special_tokens
 
 FINE_TUNED_TEACHER_METHODS = ("teacher first 512", "teacher head+tail", "teacher windows, mean")
+SETTINGS = ("epochs", "fine_tuning_learning_rate", "accumulation", "precision")  # kept with each run, checked on resume
 
 
 def rows_of(method: str, tokens: list[int]) -> list[list[int]]:
@@ -154,6 +155,7 @@ def main():
     for encoding in (e for e in args.encodings.split(",") if e):
         encoders[f"student {encoding}"] = lambda seed, encoding=encoding: student(encoding, seed)
     predicted = {("tf-idf", seed): tfidf_of(data, seed) for seed in seeds}
+    settings = {name: getattr(args, name) for name in SETTINGS}
     runs = []
     for method, encoder in encoders.items():
         for seed in seeds:
@@ -163,8 +165,12 @@ def main():
                     encoder(seed), method, tokens, labels, tokenizer, seed, args, out / "trainer"
                 )
                 kept.parent.mkdir(exist_ok=True)
-                kept.write_text(json.dumps(dict(predicted=guesses, training_loss=loss, seconds=round(seconds, 1))))
+                kept.write_text(json.dumps(dict(predicted=guesses, training_loss=loss, seconds=round(seconds, 1),
+                                                settings=settings)))  # fmt: skip
             run = json.loads(kept.read_text())
+            if run.pop("settings") != settings:
+                raise ValueError(f"{kept} was fine-tuned with other settings than this run's {settings}: give "
+                                 "another --output_dir, or the same settings to resume")  # fmt: skip
             predicted[method, seed] = run.pop("predicted")
             runs.append(dict(method=method, seed=seed, **run))
             right = sum(g == t for g, t in zip(predicted[method, seed], labels["validation"]))

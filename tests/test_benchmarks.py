@@ -488,7 +488,7 @@ def test_natural_documents_reads_the_package_and_compares_every_method_with_tf_i
 def test_natural_documents_fine_tuned_trains_every_method_and_resumes(kernel_corpus, tmp_path):
     """Each teacher method and a student fine-tuned at two seeds (the defaults but one epoch), every validation
     document's prediction kept and compared as the probe's are, tf-idf among them; a rerun into the same folder
-    trains nothing again, and its record keeps the first invocation's entry."""
+    trains nothing again, and its record keeps the first invocation's entry; one with other settings is refused."""
     root, task, teacher = kernel_corpus
     command = [sys.executable, str(BENCHMARKS / "natural_documents_fine_tuned.py"), "--teacher", str(teacher)]
     command += ["--documentation", str(root), "--task_dir", str(task), "--output_dir", str(tmp_path / "out")]
@@ -521,6 +521,8 @@ def test_natural_documents_fine_tuned_trains_every_method_and_resumes(kernel_cor
     assert read_csv(out / "results.csv") == rows
     record = json.loads((out / "record.json").read_text())  # both invocations: the second read the first's runs
     assert record["written_by"] == "benchmarks/natural_documents_fine_tuned.py" and len(record["invocations"]) == 2
+    result = subprocess.run([*command, "--fine_tuning_learning_rate", "1e-4"], capture_output=True, text=True)
+    assert result.returncode != 0 and "was fine-tuned with other settings" in result.stderr
 
 
 def test_a_fine_tuned_document_is_the_mean_of_its_windows_and_learns_from_each(workspace, tmp_path):
