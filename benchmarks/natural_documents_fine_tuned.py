@@ -13,8 +13,9 @@ and a linear layer over that vector, trained end to end with cross-entropy:
   read from ``--students_dir``, made there as there when missing) on the whole document at once;
 - ``tf-idf``: as in ``natural_documents.py`` (nothing to fine-tune).
 
-Training (``Trainer``): one document a forward, ``--accumulation`` documents a step, AdamW at ``--learning_rate``
-with 10% warm-up then linear decay and weight decay 0.01, ``--epochs`` epochs, dropout 0.1 before the head, bf16
+Training (``Trainer``): one document a forward, ``--accumulation`` documents a step, AdamW at
+``--fine_tuning_learning_rate`` (``--learning_rate`` is the students' distillation's) with 10% warm-up then linear
+decay and weight decay 0.01, ``--epochs`` epochs, dropout 0.1 before the head, bf16
 autocast unless ``--precision fp32``; the seed sets the head, the dropout and the documents' order, and picks the
 student. No validation document is seen before it is predicted. Writes what ``natural_documents.py`` writes
 (``results.csv``, ``predictions.csv``, ``comparisons.csv``, ``results.md``, ``record.json``) and ``training.csv``
