@@ -94,10 +94,7 @@ def main():
     args = parser.parse_args()
     out, _, tokenizer, teacher = prepared_run(args)
     seeds = [int(s) for s in args.seeds.split(",")]
-    data = {split: kernel_documents(split, args.documentation, args.task_dir) for split in ("train", "validation")}
-    labels = {split: [d["label"] for d in docs] for split, docs in data.items()}
-    tokens = {split: [tokenizer(d["text"], add_special_tokens=False)["input_ids"] for d in docs]
-              for split, docs in data.items()}  # fmt: skip
+    data, labels, tokens = task_splits(args, tokenizer)
 
     vectors = {}  # (method, split, seed or None) -> (documents, features)
     for split, doc_tokens in tokens.items():
@@ -108,9 +105,7 @@ def main():
         for method in TEACHER_METHODS:
             vectors[method, split, None] = torch.stack([v[method] for v in per_doc]).numpy()
     encodings = [encoding for encoding in args.encodings.split(",") if encoding]
-    if encodings:  # the distillation files are read only for students
-        distillation = kernel_documents("distillation", args.documentation, args.task_dir)
-        distillation_texts = [d["text"] for d in distillation]
+    distillation_texts = distillation_texts_for(encodings, args)
     for encoding in encodings:
         for seed in seeds:
             student, _ = make_student(
@@ -134,6 +129,23 @@ def main():
                 train_x, test_x = vectors[method, "train", own], vectors[method, "validation", own]
                 predicted[method, seed] = probe_predictions(train_x, labels["train"], test_x, seed)
     print("\n".join(write_report(out, data["validation"], predicted, "frozen vectors and a probe")))
+
+
+def task_splits(args, tokenizer) -> tuple[dict, dict, dict]:
+    """The training and validation documents read from ``args.documentation``: split -> documents, split -> labels,
+    split -> each document's tokens (without special tokens)."""
+    data = {split: kernel_documents(split, args.documentation, args.task_dir) for split in ("train", "validation")}
+    labels = {split: [d["label"] for d in docs] for split, docs in data.items()}
+    tokens = {split: [tokenizer(d["text"], add_special_tokens=False)["input_ids"] for d in docs]
+              for split, docs in data.items()}  # fmt: skip
+    return data, labels, tokens
+
+
+def distillation_texts_for(encodings: list[str], args) -> list[str] | None:
+    """The distillation files' texts, read only where there are students to make (``encodings``)."""
+    if not encodings:
+        return None
+    return [d["text"] for d in kernel_documents("distillation", args.documentation, args.task_dir)]
 
 
 def tfidf_of(data: dict, seed: int) -> np.ndarray:

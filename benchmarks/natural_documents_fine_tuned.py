@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 from long_documents import HEAD, TAIL, add_student_arguments, make_student, prepared_run, windows
 from measure import write_csv
-from natural_documents import TASK, kernel_documents, tfidf_of, write_report
+from natural_documents import TASK, distillation_texts_for, task_splits, tfidf_of, write_report
 from torch import nn
 from transformers import AutoModel, Trainer, TrainingArguments, set_seed
 
@@ -140,20 +140,16 @@ def main():
     teacher_methods = list(args.methods)
     for method in teacher_methods:
         rows_of(method, [])  # an unknown method stops the run before any training
-    data = {split: kernel_documents(split, args.documentation, args.task_dir) for split in ("train", "validation")}
-    labels = {split: [d["label"] for d in docs] for split, docs in data.items()}
-    tokens = {split: [tokenizer(d["text"], add_special_tokens=False)["input_ids"] for d in docs]
-              for split, docs in data.items()}  # fmt: skip
+    data, labels, tokens = task_splits(args, tokenizer)
+    encodings = [encoding for encoding in args.encodings.split(",") if encoding]
+    texts = distillation_texts_for(encodings, args)
 
-    def student(encoding: str, seed: int):
+    def student(encoding: str, seed: int):  # the probe run's, or made there as there
         folder = args.students_dir / f"{encoding}-seed{seed}"
-        if (folder / "losses.json").exists():
-            return AutoModel.from_pretrained(folder, trust_remote_code=True)
-        texts = [d["text"] for d in kernel_documents("distillation", args.documentation, args.task_dir)]
         return make_student(teacher, tokenizer, encoding, seed, args, folder, texts=texts)[0]
 
     encoders = {method: lambda seed: AutoModel.from_pretrained(pretrained) for method in teacher_methods}
-    for encoding in (e for e in args.encodings.split(",") if e):
+    for encoding in encodings:
         encoders[f"student {encoding}"] = lambda seed, encoding=encoding: student(encoding, seed)
     predicted = {("tf-idf", seed): tfidf_of(data, seed) for seed in seeds}
     settings = {name: getattr(args, name) for name in SETTINGS}
