@@ -27,6 +27,7 @@ import argparse
 import csv
 import gzip
 import hashlib
+import math
 import statistics
 from pathlib import Path
 
@@ -203,12 +204,21 @@ def summary(rows, comparisons, documents: int, protocol: str) -> list[str]:
     lines = [f"### Kernel documentation by subsystem ({protocol}): validation accuracy (%), {documents} documents"]
     lines += [""]
     lines += markdown(["method", "seeds", "accuracy", "range over seeds"], body)
-    body = [[c["method"], c["against"], str(c["seeds"]), f"{100 * c['difference']:+.1f}",
-             f"[{100 * c['low']:+.1f}, {100 * c['high']:+.1f}]", f"{c['p_value']:.3f}", c["verdict"]]
+    body = [[c["method"], c["against"], str(c["seeds"]), f"{100 * c['difference']:+.1f}", *interval_of(c), c["verdict"]]
             for c in comparisons]  # fmt: skip
     lines += ["", "### Paired over seeds and documents (points)", ""]
     lines += markdown(["method", "against", "seeds", "difference", "95% interval", "p", "verdict"], body)
+    if any(math.isnan(c["low"]) for c in comparisons):
+        lines += ["", "A comparison over one seed, or whose differences do not vary, has no interval (run two seeds "
+                  "or more), so its verdict stays inconclusive."]  # fmt: skip
     return lines
+
+
+def interval_of(comparison: dict) -> tuple[str, str]:
+    """The 95% interval and p as the summary prints them, or "none" where the test gave no interval."""
+    if math.isnan(comparison["low"]):
+        return "none", "none"
+    return f"[{100 * comparison['low']:+.1f}, {100 * comparison['high']:+.1f}]", f"{comparison['p_value']:.3f}"
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -483,6 +484,28 @@ def test_natural_documents_reads_the_package_and_compares_every_method_with_tf_i
     (root / "fs/doc8.rst.gz").write_bytes(gzip.compress(b"another text"))
     result = subprocess.run(command, capture_output=True, text=True, timeout=900)
     assert result.returncode != 0 and "fs/doc8.rst.gz: its text is not the one" in result.stderr
+
+
+def test_natural_documents_summary_says_when_a_comparison_has_no_interval():
+    """Over one seed a paired comparison has no interval: the summary says so rather than print nan, and prints the
+    interval and p of a comparison over two seeds as the test computed them."""
+    from lrpe_hf.training.verdicts import paired_over_seeds_and_items
+
+    sys.path.insert(0, str(BENCHMARKS))
+    natural_documents = importlib.import_module("natural_documents")
+    rows = [dict(method=m, seed=0, accuracy=0.5) for m in ("student rope", "tf-idf")]
+    differences = np.array([[1.0, 0.0, 1.0, 0.0, 1.0, -1.0], [1.0, 1.0, 0.0, 0.0, 1.0, 0.0]])
+    for seeds in (1, 2):
+        test = paired_over_seeds_and_items(differences[:seeds])
+        comparison = dict(method="student rope", against="tf-idf", seeds=test.pairs, difference=test.mean,
+                          low=test.low, high=test.high, p_value=test.p_value, verdict="inconclusive")  # fmt: skip
+        report = "\n".join(natural_documents.summary(rows, [comparison], documents=6, protocol="probe"))
+        assert "nan" not in report
+        if seeds == 1:
+            assert "| none | none |" in report and "has no interval" in report
+        else:
+            interval = f"[{100 * test.low:+.1f}, {100 * test.high:+.1f}] | {test.p_value:.3f}"
+            assert interval in report and "has no interval" not in report
 
 
 def test_natural_documents_fine_tuned_trains_every_method_and_resumes(kernel_corpus, tmp_path):
