@@ -42,6 +42,7 @@ import collections
 import concurrent.futures
 import csv
 import json
+import math
 import multiprocessing
 import statistics
 from pathlib import Path
@@ -396,12 +397,13 @@ def summary(means, comparisons, short_text, costs) -> list[str]:
         lines += [f"### {task}: validation accuracy (%), mean over seeds", ""]
         lines += markdown(["method", "seeds", *names], body) + [""]
     body = [
-        [c["task"], c["student"], c["against"], str(c["seeds"]), f"{100 * c['difference']:+.1f}",
-         f"[{100 * c['low']:+.1f}, {100 * c['high']:+.1f}]", f"{c['p_value']:.3f}", c["verdict"]]
+        [c["task"], c["student"], c["against"], str(c["seeds"]), f"{100 * c['difference']:+.1f}", *interval_of(c),
+         c["verdict"]]
         for c in comparisons
     ]  # fmt: skip
     lines += ["### Students against the teacher's workarounds, 1k-4k, paired over seeds and documents (points)", ""]
     lines += markdown(["task", "student", "against", "seeds", "difference", "95% interval", "p", "verdict"], body)
+    lines += no_interval_note(comparisons)
     body = [[r["encoding"], str(r["seed"]), f"{100 * r['teacher']:.1f}", f"{100 * r['student']:.1f}",
              f"{100 * r['student'] / r['teacher']:.1f}"] for r in short_text]  # fmt: skip
     lines += ["", "### Short texts: tweet sentiment, the same probe", ""]
@@ -411,6 +413,22 @@ def summary(means, comparisons, short_text, costs) -> list[str]:
     lines += ["", "### One document's forward pass on the CPU", ""]
     lines += markdown(["method", "tokens", "ms", "peak MB"], body)
     return lines
+
+
+def interval_of(comparison: dict) -> tuple[str, str]:
+    """A paired comparison's 95% interval and p (in points) as the summaries print them, or "none" where the test
+    gave no interval."""
+    if math.isnan(comparison["low"]):
+        return "none", "none"
+    return f"[{100 * comparison['low']:+.1f}, {100 * comparison['high']:+.1f}]", f"{comparison['p_value']:.3f}"
+
+
+def no_interval_note(comparisons: list[dict]) -> list[str]:
+    """The summaries' line saying why a comparison has no interval, where one has none."""
+    if not any(math.isnan(c["low"]) for c in comparisons):
+        return []
+    return ["", "A comparison over one seed, or whose differences do not vary, has no interval (run two seeds or "
+            "more), so its verdict stays inconclusive."]  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -27,7 +27,6 @@ import argparse
 import csv
 import gzip
 import hashlib
-import math
 import statistics
 from pathlib import Path
 
@@ -37,8 +36,10 @@ from long_documents import (
     TEACHER_METHODS,
     add_student_arguments,
     embedded,
+    interval_of,
     make_student,
     mean_pooled,
+    no_interval_note,
     prepared_run,
     probe_predictions,
     teacher_vectors,
@@ -208,17 +209,7 @@ def summary(rows, comparisons, documents: int, protocol: str) -> list[str]:
             for c in comparisons]  # fmt: skip
     lines += ["", "### Paired over seeds and documents (points)", ""]
     lines += markdown(["method", "against", "seeds", "difference", "95% interval", "p", "verdict"], body)
-    if any(math.isnan(c["low"]) for c in comparisons):
-        lines += ["", "A comparison over one seed, or whose differences do not vary, has no interval (run two seeds "
-                  "or more), so its verdict stays inconclusive."]  # fmt: skip
-    return lines
-
-
-def interval_of(comparison: dict) -> tuple[str, str]:
-    """The 95% interval and p as the summary prints them, or "none" where the test gave no interval."""
-    if math.isnan(comparison["low"]):
-        return "none", "none"
-    return f"[{100 * comparison['low']:+.1f}, {100 * comparison['high']:+.1f}]", f"{comparison['p_value']:.3f}"
+    return lines + no_interval_note(comparisons)
 
 
 if __name__ == "__main__":
