@@ -9,7 +9,9 @@ OUT ?= out/demo
 # The default environment: exact versions from the lock file (`make lock` regenerates it on purpose), so that a green
 # `make test` means the same thing on any day.
 LOCK := requirements/lock.txt
-TORCH := torch==2.13.0   # the CPU wheel; keeps pip from pulling a CUDA build
+# torch first, pinned: the CPU wheel where pip's sources offer one (a folder of wheels, PyTorch's CPU index); from
+# plain PyPI on Linux the CUDA build, which runs on the CPU too.
+TORCH := torch==2.13.0
 
 $(VENV)/.installed: setup.cfg pyproject.toml $(LOCK)
 	$(PYTHON_BASE) -m venv $(VENV)
@@ -103,7 +105,7 @@ test-compat: .venv-oldest/.installed
 	done
 
 # Installed as Python users install it: a wheel built from this checkout (as `pip install .` builds one) goes with its
-# `train` extra into a fresh environment (torch's CPU wheel first), where tests/installed_package_check.py runs from
+# `train` extra into a fresh environment (the pinned torch first), where tests/installed_package_check.py runs from
 # outside the checkout: tiny models of each family, the package data, `python -m lrpe_hf --help` and a script's help.
 WHEEL_VENV := .venv-wheel
 
