@@ -45,7 +45,7 @@ class AttentionOptions:
     max_positions: int | None = option(None, "fastrpb: the longest span of positions (per axis in 2D)", per_family=True)
     layer_index: int = option(0, "the layer's place in its model: random tables differ per layer", per_family=True)
     num_heads: int | None = option(None, "the layer's number of heads (set by the layer)", per_family=True)
-    chunk_size: int | None = option(None, "causal chunk length; default 64 up to 8k tokens, 128 beyond")
+    chunk_size: int | None = option(None, "causal chunk length; default 64 at every length")
     kernel_backend: str = option(
         "auto",
         "the causal product's kernels: auto (Triton kernels of fla-core for CUDA tensors where installed and able, "
