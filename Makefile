@@ -86,6 +86,8 @@ test: install harness
 # The two ends of the range setup.cfg declares, each in its own environment: the oldest releases of transformers and
 # torch we support, and the newest that pip finds on the day (torch's newest from PyPI is its CUDA build, which runs
 # on the CPU too). Each runs the tests that touch their interfaces, with transformers' common tests for its release.
+# A machine may cap pip's torch with a constraints file of its own (torch<=2.14.1 where that release lies on disk):
+# the newest end sets it aside, so that it tests the newest torch on PyPI, as a user's fresh install gets it.
 OLDEST := transformers==5.10.1 torch==2.7.1
 COMPAT_TESTS := tests/test_generation.py tests/test_models.py tests/test_pipelines.py tests/test_conventions.py \
 	tests/test_extension_api.py tests/test_scripts.py tests/test_transformers_common.py
@@ -97,7 +99,8 @@ COMPAT_TESTS := tests/test_generation.py tests/test_models.py tests/test_pipelin
 
 test-compat: .venv-oldest/.installed
 	test -d .venv-newest || $(PYTHON_BASE) -m venv .venv-newest
-	.venv-newest/bin/python -m pip install --quiet --upgrade --upgrade-strategy eager torch transformers -e ".[train,test]"
+	PIP_CONSTRAINT=/dev/null .venv-newest/bin/python -m pip install --quiet --upgrade --upgrade-strategy eager \
+		torch transformers -e ".[train,test]"
 	for end in oldest newest; do \
 		.venv-$$end/bin/python -c 'import torch, transformers; print("'$$end':", "transformers", transformers.__version__, "torch", torch.__version__)'; \
 		.venv-$$end/bin/python tests/fetch_transformers_harness.py || exit 1; \

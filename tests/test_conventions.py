@@ -9,6 +9,7 @@ where it stops), not values.
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import numpy as np
 import pytest
@@ -155,7 +156,9 @@ def test_generation_continues_from_a_returned_cache(repeating_gpt):
         first = model.generate(ids, max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
         cache = first.cache if hasattr(first, "cache") else first.past_key_values
         assert isinstance(cache, lrpe_hf.LinearAttentionCache)
-        then = generate_with_logits(model, first.sequences, max_new_tokens=4, **{name: cache})
+        with warnings.catch_warnings():  # the old name still works where a release deprecates it (5.25: until 6.0)
+            warnings.filterwarnings("ignore", "`past_key_values` is deprecated", FutureWarning)
+            then = generate_with_logits(model, first.sequences, max_new_tokens=4, **{name: cache})
         assert torch.equal(then.sequences, whole.sequences), name
         torch.testing.assert_close(torch.stack(then.logits), torch.stack(whole.logits)[4:])
         assert cache.get_seq_length() == whole.sequences.shape[1] - 1

@@ -8,6 +8,7 @@ import torch
 
 import lrpe_hf
 from lrpe_hf import LinearAttentionCache, LinearGPTConfig, LinearGPTForCausalLM
+from lrpe_hf.modeling.forward_arguments import CACHE_OUTPUT_FIELD
 
 CONFIG = dict(
     vocab_size=60,
@@ -107,13 +108,13 @@ def test_generate_hands_the_mask_to_the_prefill_only():
     ids, mask = left_padded_batch(3, 4, 7)
     cache = LinearAttentionCache(model.config.num_hidden_layers)
     with forward_argument(model, "attention_mask") as given:
-        out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=4, do_sample=False)
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, **{CACHE_OUTPUT_FIELD: cache})
     assert len(given) == 4 and given[0] is not None and given[0].shape == (2, 7)
     assert all(m is None for m in given[1:])
     more = torch.cat([out, torch.tensor([[0, 0, 5], [6, 7, 8]])], dim=1)
     more_mask = torch.cat([mask, torch.ones(2, 4, dtype=torch.long), torch.tensor([[0, 0, 1], [1, 1, 1]])], dim=1)
     with forward_argument(model, "attention_mask") as given:
-        model.generate(more, attention_mask=more_mask, past_key_values=cache, max_new_tokens=2, do_sample=False)
+        model.generate(more, attention_mask=more_mask, max_new_tokens=2, do_sample=False, **{CACHE_OUTPUT_FIELD: cache})
     assert len(given) == 2 and given[0] is not None and given[1] is None
 
 
@@ -195,9 +196,17 @@ def test_state_size_does_not_grow_with_context(encoding):
 
 
 def test_unsupported_generation_modes_raise():
+    """Strategies that roll rejected tokens back are refused by generate, naming the mode, before any decoding;
+    the cache refuses a rollback by itself too (a recurrent state cannot forget tokens)."""
     model = model_with()
-    with pytest.raises(Exception, match="cannot be cropped|not supported"):
+    with pytest.raises(ValueError, match="(?i)assisted_generation"):
         model.generate(prompt(batch=1), max_new_tokens=5, prompt_lookup_num_tokens=2, do_sample=False)
+    with pytest.raises(ValueError, match="(?i)assisted_generation"):
+        model.generate(prompt(batch=1), max_new_tokens=5, assistant_model=model_with(), do_sample=False)
+    cache = LinearAttentionCache(model.config.num_hidden_layers)
+    model(prompt(), past_key_values=cache, use_cache=True)
+    with pytest.raises(NotImplementedError, match="cannot be cropped"):
+        cache.crop(3)
     from transformers import DynamicCache
 
     with pytest.raises(ValueError, match="LinearAttentionCache"):

@@ -7,6 +7,7 @@ whatever the context length. Left-padded batches generate the same text as each 
 import torch
 from torch import nn
 from transformers.generation import GenerationMixin
+from transformers.generation.configuration_utils import GenerationMode
 from transformers.modeling_outputs import (
     BaseModelOutputWithPast,
     CausalLMOutputWithPast,
@@ -172,8 +173,14 @@ class LinearGPTModel(LinearGPTPreTrainedModel):
         return base_model_output(BaseModelOutputWithPast, hidden_states, all_hidden_states, all_attentions, **fields)
 
 
+# A recurrent state summarises every past token and cannot forget the last ones: the strategies that try tokens and
+# roll back the rejected (assisted and prompt-lookup decoding, contrastive search) are refused by generate itself.
+ROLLBACK_MODES = (GenerationMode.ASSISTED_GENERATION, GenerationMode.CONTRASTIVE_SEARCH)
+
+
 class LinearGPTForCausalLM(LinearGPTPreTrainedModel, GenerationMixin):
     accepts_loss_kwargs = True  # the loss divides by the Trainer's num_items_in_batch
+    _supported_generation_modes = tuple(mode.value for mode in GenerationMode if mode not in ROLLBACK_MODES)
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
 
     def __init__(self, config: LinearGPTConfig):
