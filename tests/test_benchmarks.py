@@ -368,19 +368,42 @@ def test_host_cost_benchmark_times_every_model_in_turn_and_counts_reads_and_ops(
     assert result.returncode == 0, result.stderr
     with open(tmp_path / "host_cost.csv") as f:
         rows = list(csv.DictReader(f))
-    models = ["gpt2-sdpa", "none+fla", "permute+fla", "none", "permute"]
+    models = ["gpt2-sdpa", "plain-linear+fla", "none+fla", "permute+fla", "none", "permute"]
     assert [(r["step"], r["model"]) for r in rows] == [(step, m) for step in ("train", "decode") for m in models]
     for row in rows:
         assert row["rounds"] == "2" and row["mode"] == "eager"
-        if row["model"] != "gpt2-sdpa":
+        if row["model"] not in ("gpt2-sdpa", "plain-linear+fla"):
             assert float(row["low"]) <= float(row["over_gpt2"]) <= float(row["high"])
             assert row["met"] == str(float(row["high"]) <= float(row["target"]))
+            assert row["calls_met"] == str(float(row["calls_over_gpt2"]) <= float(row["calls_target"]))
             assert row["host_reads"] == "0"
+    calls = {(r["step"], r["model"]): int(r["calls"]) for r in rows}
+    for step in ("train", "decode"):  # the floor is the least host work: fewer calls than any model here
+        assert calls[(step, "plain-linear+fla")] < min(calls[(step, m)] for m in models if m != "plain-linear+fla")
     ops = {(r["step"], r["model"]): int(r["ops"]) for r in rows}
     assert ops[("train", "none+fla")] != ops[("train", "none")]
     with open(tmp_path / "host_cost_rounds.csv") as f:
         assert len(list(csv.DictReader(f))) == 2 * 2 * len(models)
     assert (tmp_path / "host_cost.json").exists()
+
+
+def test_the_host_cost_floor_decodes_as_its_full_forward():
+    """The plain linear-attention GPT (the host-cost benchmark's floor) computes causal linear attention: with an
+    explicit O(N^2) causal product, decoding token by token gives its full forward's logits."""
+    sys.path.insert(0, str(BENCHMARKS))
+    from plain_linear_gpt import PlainLinearGPT
+
+    def quadratic_product(q, k, v):  # (B, N, H, d) -> sum_{t <= s} (q_s . k_t) v_t
+        scores = torch.einsum("bshd,bthd->bhst", q, k).tril()
+        return torch.einsum("bhst,bthe->bshe", scores, v), None
+
+    torch.manual_seed(0)
+    model = PlainLinearGPT(2, 16, 2, 32, 50, quadratic_product).double().eval()
+    ids = torch.randint(0, 50, (2, 9))
+    full = model(ids).logits
+    prompt = model(ids[:, :5], use_cache=True)
+    steps = [prompt.logits] + [model(ids[:, t : t + 1], use_cache=True, cache=prompt.cache).logits for t in range(5, 9)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full)
 
 
 def test_the_gpu_checks_record_is_clean_only_where_its_source_hash_is_the_commits(tmp_path, monkeypatch):
