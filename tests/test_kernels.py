@@ -391,11 +391,30 @@ def test_mlp_that_recomputes_its_activation_has_the_plain_gradients(activation):
         torch.testing.assert_close(got, want)
 
 
+@pytest.mark.parametrize("activation", ["gelu", "relu", "silu"])
+def test_mlp_keeps_one_intermediate_width_tensor_for_backward(activation):
+    """In training the MLP keeps one (B, N, intermediate) tensor for backward, whatever the activation: relu's
+    output (which fc2 keeps anyway), or h for an activation whose backward reads its input (recomputed then)."""
+    mlp = MLP(6, 10, activation).train()
+    x = torch.randn(2, 5, 6, requires_grad=True)
+    kept = {}
+
+    def pack(tensor):
+        if tensor.shape[-1] == 10 and tensor.numel() == 2 * 5 * 10:  # (2, 5, 10), or a (10, 10) view of it
+            kept[tensor.untyped_storage().data_ptr()] = tensor.numel()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        mlp(x).sum().backward()
+    assert list(kept.values()) == [2 * 5 * 10]
+
+
 @pytest.mark.parametrize("block", [1 << 18, 16, 7])
 def test_shifted_elu_feature_map_keeps_the_layout_with_the_plain_gradient(block, monkeypatch):
     """1 + elu(x) a block of memory at a time (whole, in blocks of 16, in blocks of 7 with a shorter last one),
     new and in place, against ATen's elu; its gradient likewise, for a gradient in the output's layout or not."""
     monkeypatch.setattr(feature_maps, "ELEMENTWISE_BLOCK", block)
+    monkeypatch.setattr(feature_maps, "FEW_ELEMENTS", 0)  # the blocks, as for a training step's features
     torch.manual_seed(0)
     x = torch.randn(2, 7, 3, 5, dtype=torch.float64).transpose(1, 2).requires_grad_()  # heads not leading
     x.data[0, 0, 0, :2] = 0.0  # the kink at 0: derivative 1

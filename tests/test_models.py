@@ -431,7 +431,7 @@ def test_sinusoidal_positions_keep_vaswanis_ratio_to_the_token_embeddings(multip
     assert abs(token_std / 0.02 - 1) < 0.05  # the init (initializer_range) the amplitude is tied to
     expected = tokens + 0.02 * multiplier * sinusoids(torch.arange(12), 32)
     torch.testing.assert_close(embedded, expected)
-    position_rms = float((embedded - tokens).pow(2).mean().sqrt())
+    position_rms = float((embedded - tokens).detach().pow(2).mean().sqrt())
     assert abs(position_rms / (token_std * multiplier) - 2**-0.5) < 0.05
 
 

@@ -121,8 +121,10 @@ class ShiftedElu(torch.autograd.Function):
         layout."""
         (out,) = ctx.saved_tensors
         result = torch.empty_like(out)
+        if not out.is_cpu or out.numel() < FEW_ELEMENTS or grad.stride() != out.stride():
+            return torch.clamp(out, max=1.0, out=result).mul_(grad)
         slope, source, target = in_memory_order(out), in_memory_order(grad), in_memory_order(result)
-        if not out.is_cpu or slope is None or source is None or target is None or grad.stride() != out.stride():
+        if slope is None or source is None or target is None:
             return torch.clamp(out, max=1.0, out=result).mul_(grad)
         for start in range(0, slope.numel(), ELEMENTWISE_BLOCK):
             block = slice(start, start + ELEMENTWISE_BLOCK)

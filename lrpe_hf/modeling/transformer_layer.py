@@ -54,17 +54,27 @@ class Dropout(nn.Dropout):
         return super().forward(x)
 
 
+# Activations whose backward reads their output only (relu's threshold_backward): fc2 keeps that output for its own
+# backward anyway, so autograd keeps one intermediate-width tensor, as ``ActivationThenLinear`` would.
+OUTPUT_ONLY_BACKWARD = frozenset({"relu"})
+
+
 class MLP(nn.Module):
-    """fc1 -> activation -> fc2: (B, N, hidden) -> (B, N, hidden)."""
+    """fc1 -> activation -> fc2: (B, N, hidden) -> (B, N, hidden). In training, an activation whose backward reads
+    its input (gelu, silu...) goes through ``ActivationThenLinear``, which keeps h alone where autograd would keep h
+    and activation(h); relu keeps its output alone either way, and takes autograd's path."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, activation: str):
         super().__init__()
         self.fc1 = nn.Linear(hidden_size, intermediate_size)
         self.activation = ACT2FN[activation]
+        self.recomputes_activation = activation not in OUTPUT_ONLY_BACKWARD
         self.fc2 = nn.Linear(intermediate_size, hidden_size)
 
     def forward(self, hidden_states):
         h = self.fc1(hidden_states)
+        if not self.recomputes_activation:
+            return self.fc2(self.activation(h))
         plain = type(self.fc2) is not nn.Linear or self.fc2._forward_hooks or self.fc2._forward_pre_hooks
         custom = torch.is_grad_enabled() and not torch.is_autocast_enabled(h.device.type)
         if custom and not plain and not torch.compiler.is_compiling():
