@@ -49,7 +49,9 @@ class Dropout(nn.Dropout):
     keeps a float mask of the input's size, as large as the activation itself."""
 
     def forward(self, x):
-        if self.training and 0 < self.p < 1:
+        if not self.training or self.p == 0:
+            return x  # as F.dropout returns it, without its checks
+        if self.p < 1:
             return torch.native_dropout(x, self.p, True)[0]
         return super().forward(x)
 
