@@ -1,3 +1,4 @@
+import shutil
 from pathlib import Path
 
 import pytest
@@ -120,3 +121,22 @@ def repeating_gpt():
         pad_token_id=0, eos_token_id=None, positional_encoding="permute",
     )  # fmt: skip
     return train_to_repeat(LinearGPTForCausalLM(config))
+
+
+def hub_cache_snapshot(cache: Path, repo_id: str) -> Path:
+    """The snapshot folder of ``repo_id``'s main revision in a Hub cache at ``cache`` ($HF_HOME), made with its
+    ``refs/main``, as the Hub's download leaves it: a fresh process loads it by name offline (HF_HUB_OFFLINE=1)."""
+    revision = "0" * 40
+    repo = cache / "hub" / f"models--{repo_id.replace('/', '--')}"
+    (repo / "refs").mkdir(parents=True, exist_ok=True)
+    (repo / "refs" / "main").write_text(revision)
+    snapshot = repo / "snapshots" / revision
+    snapshot.mkdir(parents=True, exist_ok=True)
+    return snapshot
+
+
+def copy_into_hub_cache(folder: Path, cache: Path, repo_id: str, ignore_patterns=()) -> Path:
+    """``folder`` (a saved checkpoint) as ``repo_id`` in the Hub cache at ``cache``; returns its snapshot."""
+    snapshot = hub_cache_snapshot(cache, repo_id)
+    shutil.copytree(folder, snapshot, dirs_exist_ok=True, ignore=shutil.ignore_patterns(*ignore_patterns))
+    return snapshot

@@ -14,6 +14,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from conftest import ROOT, copy_into_hub_cache
 from PIL import Image
 from transformers import (
     AutoTokenizer,
@@ -411,12 +412,12 @@ def test_token_and_sequence_labels_are_checked(tokenizer):
 
 REMOTE_HEADS = textwrap.dedent("""
     import sys, warnings
-    sys.modules["lrpe_hf"] = None  # lrpe_hf cannot be imported in this process
+    sys.modules["lrpe_hf"] = sys.modules["fla"] = None  # torch and transformers alone: neither imports here
     import torch, transformers
     from transformers import AutoTokenizer
-    folder, heads = sys.argv[1], sys.argv[2].split(",")
+    heads = sys.argv[1].split(",")
     for saved in heads:
-        path = f"{folder}/{saved}"
+        path = f"org/{saved}"  # from the Hub's cache, where transformers checks every code file's imports
         try:
             AutoTokenizer.from_pretrained(path, trust_remote_code=True)  # stdin is closed: no prompt
         except ImportError as error:  # older releases build any AutoImageProcessor with torchvision only
@@ -428,6 +429,17 @@ REMOTE_HEADS = textwrap.dedent("""
             ), (saved, head, type(model).__name__)
     print("heads ok", len(heads) ** 2)
 """)
+
+
+def test_the_code_a_checkpoint_carries_imports_only_torch_and_transformers():
+    """transformers asks the user of a Hub checkpoint for every package an import statement in its code files names
+    (outside a ``try``): the modeling files, all of which travel with checkpoints, name torch, transformers and the
+    standard library only, so that optional packages (fla-core) stay optional."""
+    from transformers.dynamic_module_utils import get_imports
+
+    for path in sorted((ROOT / "lrpe_hf" / "modeling").glob("*.py")):
+        packages = set(get_imports(path)) - set(sys.stdlib_module_names)
+        assert packages <= {"torch", "transformers"}, f"{path.name} imports {sorted(packages)}"
 
 
 @pytest.mark.parametrize("family", ["roberta", "gpt", "vit"])
@@ -443,14 +455,16 @@ def test_every_head_loads_from_every_saved_head_as_remote_code(family, tokenizer
     for name, model_class in heads.items():
         model_class(config_class(**fields, **LABELS)).save_pretrained(tmp_path / name)
         processor.save_pretrained(tmp_path / name)
+        copy_into_hub_cache(tmp_path / name, tmp_path / "hf_home", f"org/{name}")
     script = tmp_path / "heads.py"
     script.write_text(REMOTE_HEADS.replace("AutoTokenizer", "AutoImageProcessor") if family == "vit" else REMOTE_HEADS)
     result = subprocess.run(
-        [sys.executable, str(script), str(tmp_path), ",".join(heads)],
+        [sys.executable, str(script), ",".join(heads)],
         capture_output=True,
         text=True,
         stdin=subprocess.DEVNULL,
-        env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"},
+        env={"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf_home"), "PATH": "/usr/bin:/bin"},
+        cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"heads ok {len(heads) ** 2}" in result.stdout

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import QUIET, ROOT, TINY
+from conftest import QUIET, ROOT, TINY, copy_into_hub_cache
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoModelForMaskedLM, AutoTokenizer, pipeline
 
@@ -569,22 +569,12 @@ class HubStandIn:
         return type("RepoUrl", (), {"repo_id": repo_id})()
 
     def upload_folder(self, repo_id, folder_path, ignore_patterns=(), **kwargs):
-        revision = "0" * 40
-        repo = self.cache / "hub" / f"models--{repo_id.replace('/', '--')}"
-        snapshot = repo / "snapshots" / revision
-        shutil.copytree(folder_path, snapshot, dirs_exist_ok=True, ignore=shutil.ignore_patterns(*ignore_patterns))
-        (repo / "refs").mkdir(parents=True, exist_ok=True)
-        (repo / "refs" / "main").write_text(revision)
+        copy_into_hub_cache(Path(folder_path), self.cache, repo_id, ignore_patterns)
         return f"https://hub.invalid/{repo_id}"
 
 
-HUB_LOAD = """
-import sys
-sys.modules["lrpe_hf"] = None  # a user without lrpe-hf installed
-from transformers import pipeline
-classify = pipeline("text-classification", model="org/tweets", trust_remote_code=True)
-print(classify("what a great day")[0]["label"])
-"""
+# A user with torch and transformers alone: neither lrpe-hf nor fla-core imports in this process.
+WITHOUT_OPTIONAL_PACKAGES = 'import sys\nsys.modules["lrpe_hf"] = sys.modules["fla"] = None\n'
 
 
 def test_push_to_hub_then_load_by_name_in_a_fresh_process(mlm_checkpoint, workspace, monkeypatch):
@@ -628,10 +618,13 @@ def test_push_to_hub_then_load_by_name_in_a_fresh_process(mlm_checkpoint, worksp
     } <= pushed
     card = (snapshot / "README.md").read_text()
     assert "org/tweets" in card and "eval_accuracy" in card
+    snippet = card.split("```python\n")[1].split("```")[0]  # the card's own usage snippet, as a reader copies it
     env = {"HF_HOME": str(cache), "HF_HUB_OFFLINE": "1", "PATH": os.environ.get("PATH", "")}
-    result = subprocess.run([sys.executable, "-c", HUB_LOAD], capture_output=True, text=True, env=env, cwd=workspace)
+    command = [sys.executable, "-c", WITHOUT_OPTIONAL_PACKAGES + snippet]
+    result = subprocess.run(command, capture_output=True, text=True, env=env, cwd=workspace, stdin=subprocess.DEVNULL)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.strip().splitlines()[-1] in ("negative", "neutral", "positive")
+    (prediction,) = eval(result.stdout.strip().splitlines()[-1])  # the pipeline's list, as the snippet prints it
+    assert prediction["label"] in ("negative", "neutral", "positive") and 0 <= prediction["score"] <= 1
 
 
 def test_malformed_data_file_stops_with_a_clear_message(workspace, mlm_checkpoint):

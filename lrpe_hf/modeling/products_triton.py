@@ -73,10 +73,11 @@ def gated_backward_fails(dtype) -> bool:
     """Whether fla's backward with per-token gates raises here: fla 0.6 refuses it on Hopper GPUs with
     Triton >= 3.4, < 3.7.1, which miscompiles it (``ops/common/chunk_o.py``, ``chunk_bwd_dqkwg``), unless its
     TileLang backend takes the call, which it does only for float32 inputs (it wants the states in the inputs'
-    dtype, and simple_gla's backward keeps them in float32) where tilelang and nvcc are installed."""
-    from fla.ops.common import chunk_o
-    from fla.ops.common.backends.tilelang import CommonTileLangBackend
-
+    dtype, and simple_gla's backward keeps them in float32) where tilelang and nvcc are installed. fla's modules are
+    imported by name: transformers asks every user of a Hub checkpoint for each package an import statement of its
+    code files names outside a ``try``, and fla is optional."""
+    chunk_o = importlib.import_module("fla.ops.common.chunk_o")
+    CommonTileLangBackend = importlib.import_module("fla.ops.common.backends.tilelang").CommonTileLangBackend
     if not (chunk_o.IS_NVIDIA_HOPPER and chunk_o.TRITON_ABOVE_3_4_0 and not chunk_o.TRITON_ABOVE_3_7_1):
         return False
     return dtype != torch.float32 or not CommonTileLangBackend.can_use()
