@@ -57,7 +57,10 @@ def registered():
         "alibi", lambda options, num_heads, head_dim, feature_dim: ALiBiDecay(num_heads), causal_only=True
     )
     lrpe_hf.register_positional_encoding(
-        "parity", lambda options, num_heads, head_dim, feature_dim: ParitySigns(), signed_features=True
+        "parity",
+        lambda options, num_heads, head_dim, feature_dim: ParitySigns(),
+        signed_features=True,
+        supports_2d=True,
     )
     lrpe_hf.register_feature_map("signed_relu", lambda options, input_dim: SignedReLU(input_dim))
     yield
@@ -196,6 +199,64 @@ class ScaledFeatures(lrpe_hf.PositionalEncoding):
 
     def encode_features(self, q, k, positions):
         return q * self.scales.to(q.dtype), k * self.scales.to(k.dtype)
+
+
+class PlainBufferEncoding(lrpe_hf.PositionalEncoding):
+    """A buffer made as plain PyTorch code makes one: in ``__init__``, not saved, no ``initial_values()``."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, width), persistent=False)
+
+    def encode_features(self, q, k, positions):
+        return q * self.scale, k * self.scale
+
+
+class PlainBufferMap(lrpe_hf.FeatureMap):
+    def __init__(self, width: int):
+        super().__init__(width)
+        self.inner = torch.nn.Module()  # in a child module too
+        self.inner.register_buffer("shift", torch.ones(width), persistent=False)
+
+    def forward(self, x):
+        return F.relu(x) + self.inner.shift
+
+
+def test_a_buffer_from_pretrained_could_not_restore_is_refused_when_the_model_is_built():
+    """A registered component's buffer that is neither saved (persistent) nor given by initial_values() would come
+    back from from_pretrained as uninitialised memory: the model refuses to build, naming the buffer and the way."""
+    lrpe_hf.register_positional_encoding(
+        "plain_buffer", lambda options, heads, head_dim, width: PlainBufferEncoding(width)
+    )
+    lrpe_hf.register_feature_map("plain_buffer_map", lambda options, width: PlainBufferMap(width))
+    try:
+        with pytest.raises(ValueError, match=r"'plain_buffer' keeps buffer\(s\) scale .*initial_values\(\)"):
+            lrpe_hf.LinearGPTForCausalLM(
+                lrpe_hf.LinearGPTConfig(**TINY, vocab_size=50, positional_encoding="plain_buffer")
+            )
+        with pytest.raises(ValueError, match=r"'plain_buffer_map' keeps buffer\(s\) inner.shift .*persistent=True"):
+            lrpe_hf.LinearAttention(16, 2, feature_map="plain_buffer_map")
+    finally:
+        POSITIONAL_ENCODING_REGISTRY.pop("plain_buffer")
+        FEATURE_MAP_REGISTRY.pop("plain_buffer_map")
+
+
+def test_an_encoding_registered_without_a_2d_form_is_refused_by_images():
+    """supports_2d is declared by the registration: without it, LinearViT refuses the encoding rather than hand it
+    (row, col) positions; with it, the image model builds."""
+    lrpe_hf.register_positional_encoding(
+        "one_d", lambda options, heads, head_dim, width: ScaledFeatures(width, "initial_values")
+    )
+    lrpe_hf.register_positional_encoding(
+        "two_d", lambda options, heads, head_dim, width: ScaledFeatures(width, "initial_values"), supports_2d=True
+    )
+    try:
+        with pytest.raises(ValueError, match="'one_d' has no 2D form"):
+            lrpe_hf.LinearViTConfig(positional_encoding="one_d")
+        lrpe_hf.LinearViTForImageClassification(lrpe_hf.LinearViTConfig(**TINY, positional_encoding="two_d"))
+    finally:
+        POSITIONAL_ENCODING_REGISTRY.pop("one_d")
+        POSITIONAL_ENCODING_REGISTRY.pop("two_d")
 
 
 @pytest.mark.parametrize("how", ["initial_values", "persistent", "in_init"])

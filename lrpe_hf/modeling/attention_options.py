@@ -100,7 +100,10 @@ class AttentionOptions:
             if self.causal:
                 raise ValueError("position_dims=2 (image patches) has no causal order; use causal=False")
             if not encoding.supports_2d:
-                raise ValueError(f"{self.positional_encoding!r} has no 2D form")
+                raise ValueError(
+                    f"{self.positional_encoding!r} has no 2D form for image patches' (row, col) positions (its "
+                    "registration did not declare supports_2d=True)"
+                )
         if encoding.needs_max_positions and not self.max_positions:
             raise ValueError(
                 f"{self.positional_encoding} needs max_positions: it learns one bias per relative distance up to "

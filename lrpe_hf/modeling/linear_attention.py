@@ -30,7 +30,7 @@ from .context_parallel import active_group, refuse_in_context_parallel
 from .kernel_attention import KernelAttention
 from .positions import mask_as_bool
 from .projections import project
-from .registry import build_positional_encoding, positional_encoding_entry
+from .registry import build_positional_encoding, build_shared_codes, positional_encoding_entry
 from .softmax_attention import SoftmaxAttention
 
 ATTENTION_PATHS = {"linear": KernelAttention, "softmax": SoftmaxAttention}
@@ -92,8 +92,7 @@ class LinearAttention(nn.Module):
                 "causal_only=True so that bidirectional configs refuse it when built"
             )
         self.standalone = standalone
-        own_shared = standalone and entry.build_shared is not None
-        self.shared_codes = entry.build_shared(o, num_heads, self.head_dim) if own_shared else None
+        self.shared_codes = build_shared_codes(o, num_heads, self.head_dim) if standalone else None
 
     @property
     def feature_map(self):

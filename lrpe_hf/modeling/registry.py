@@ -41,6 +41,7 @@ from .positional_lrpe import (
 from .positional_permute import PermutePositionalEncoding
 from .positional_rope import RotaryPositionalEncoding
 from .positional_spe import ConvSPECodes, SineSPECodes, StochasticPositionalEncoding
+from .reinitialisable import refuse_unrestorable_buffers
 
 NORMALIZATIONS = ("denominator", "unrotated_denominator", "output_norm", "output_layer_norm")
 
@@ -57,7 +58,8 @@ class PositionalEncodingEntry:
         needs_max_positions: it learns one weight per relative distance up to ``max_positions``.
         build_shared: ``build_shared(options, num_heads, head_dim)`` -> a module that every layer of a model
             shares (SPE's kernels), with ``draw(device)`` and ``prepare(draw, positions)``; ``None`` if none.
-        supports_2d: it has a form for (row, col) positions of image patches.
+        supports_2d: it has a form for (row, col) positions of image patches (declared by its registration;
+            LinearViT refuses an encoding without one rather than hand it 2D positions).
         query_key_dim: ``query_key_dim(options, head_dim)``, the width of queries and keys after
             ``encode_query_key`` when the encoding changes it (SPE: its number of realizations); ``None``: head_dim.
         default_feature_map: the feature map its paper pairs it with, used when ``feature_map`` is not set.
@@ -72,7 +74,7 @@ class PositionalEncodingEntry:
     default_normalization: str = "denominator"
     needs_max_positions: bool = False
     build_shared: Callable | None = None
-    supports_2d: bool = True
+    supports_2d: bool = False
     query_key_dim: Callable | None = None
     default_feature_map: str = "elu"
     causal_only: bool = False
@@ -146,7 +148,7 @@ def register_positional_encoding(
     default_normalization: str | None = None,
     needs_max_positions: bool = False,
     build_shared: Callable | None = None,
-    supports_2d: bool = True,
+    supports_2d: bool = False,
     query_key_dim: Callable | None = None,
     default_feature_map: str = "elu",
     causal_only: bool = False,
@@ -157,7 +159,8 @@ def register_positional_encoding(
 
     ``builder(options, num_heads, head_dim, feature_dim)`` returns a ``PositionalEncoding``. The default
     normalisation is ``unrotated_denominator`` for encodings with signed features and ``denominator`` otherwise;
-    ``default_feature_map`` is used when a config leaves ``feature_map`` unset; ``causal_only=True`` (an encoding that
+    ``default_feature_map`` is used when a config leaves ``feature_map`` unset; ``supports_2d=True`` declares a form
+    for (row, col) positions (LinearViT takes no other); ``causal_only=True`` (an encoding that
     decays with distance) makes bidirectional configs refuse it when built; ``relative=False`` says that shifting
     every position changes its attention (the tests check the shift for the others).
     """
@@ -210,11 +213,25 @@ def positional_encoding_entry(name: str) -> PositionalEncodingEntry:
 
 
 def build_positional_encoding(options, num_heads: int, head_dim: int, feature_dim: int):
-    return positional_encoding_entry(options.positional_encoding).builder(options, num_heads, head_dim, feature_dim)
+    encoding = positional_encoding_entry(options.positional_encoding).builder(options, num_heads, head_dim, feature_dim)
+    refuse_unrestorable_buffers(encoding, f"positional_encoding {options.positional_encoding!r}")
+    return encoding
+
+
+def build_shared_codes(options, num_heads: int, head_dim: int):
+    """The module every layer of a model shares for its encoding (SPE's codes), or None where it has none."""
+    build_shared = positional_encoding_entry(options.positional_encoding).build_shared
+    if build_shared is None:
+        return None
+    shared = build_shared(options, num_heads, head_dim)
+    refuse_unrestorable_buffers(shared, f"positional_encoding {options.positional_encoding!r}'s shared module")
+    return shared
 
 
 def build_feature_map(options, input_dim: int):
-    return lookup("feature_map", options.feature_map, FEATURE_MAP_REGISTRY).builder(options, input_dim)
+    feature_map = lookup("feature_map", options.feature_map, FEATURE_MAP_REGISTRY).builder(options, input_dim)
+    refuse_unrestorable_buffers(feature_map, f"feature_map {options.feature_map!r}")
+    return feature_map
 
 
 def build_p_matrix(options, num_heads: int, dim: int):
@@ -250,29 +267,37 @@ def spe_width(options, head_dim):
     return options.spe_realizations
 
 
-register_positional_encoding("none", lambda options, num_heads, head_dim, feature_dim: NoPositionalEncoding())
-register_positional_encoding("rope", RotaryPositionalEncoding.from_options, signed_features=True)
+register_positional_encoding(
+    "none", lambda options, num_heads, head_dim, feature_dim: NoPositionalEncoding(), supports_2d=True
+)
+register_positional_encoding("rope", RotaryPositionalEncoding.from_options, signed_features=True, supports_2d=True)
 register_positional_encoding(
     "lrpe_unitary",
     lambda o, h, d, m: LRPEUnitary.from_options(o, h, d, m, build_p_matrix(o, h, m)),
     signed_features=True,
+    supports_2d=True,
 )
 register_positional_encoding(
     "lrpe_orthogonal",
     lambda o, h, d, m: LRPEOrthogonal.from_options(o, h, d, m, build_p_matrix(o, h, m)),
     signed_features=True,
+    supports_2d=True,
 )
 register_positional_encoding(
     "lrpe_permutation",
     lambda o, h, d, m: LRPEPermutation.from_options(o, h, d, m, build_p_matrix(o, h, m)),
     signed_features=True,
+    supports_2d=True,
 )
-register_positional_encoding("permute", PermutePositionalEncoding.from_options, default_feature_map="relu")  # eq. 15
+register_positional_encoding(  # relu: its eq. 15
+    "permute", PermutePositionalEncoding.from_options, default_feature_map="relu", supports_2d=True
+)
 register_positional_encoding(
     "spe_sine",
     StochasticPositionalEncoding.from_options,
     build_shared=SineSPECodes.from_options,
     query_key_dim=spe_width,
+    supports_2d=True,
     relative=False,  # in expectation over its random codes only
 )
 register_positional_encoding(
@@ -280,8 +305,13 @@ register_positional_encoding(
     StochasticPositionalEncoding.from_options,
     build_shared=ConvSPECodes.from_options,
     query_key_dim=spe_width,
+    supports_2d=True,
     relative=False,  # in expectation over its random codes only
 )
 register_positional_encoding(  # with its paper's shift-invariant kernel, SIKF
-    "fastrpb", FastRelativePositionBias.from_options, needs_max_positions=True, default_feature_map="exp"
+    "fastrpb",
+    FastRelativePositionBias.from_options,
+    needs_max_positions=True,
+    default_feature_map="exp",
+    supports_2d=True,
 )

@@ -45,3 +45,30 @@ def seeded_generator(*key: int) -> torch.Generator:
     for value in key:
         state = (state * 6364136223846793005 + int(value) + 1442695040888963407) % (2**63)
     return torch.Generator(device="cpu").manual_seed(state)
+
+
+def unrestorable_buffers(module: nn.Module) -> list[str]:
+    """The buffers of ``module`` and its children that ``from_pretrained`` would leave as uninitialised memory: not
+    saved with the weights (``persistent=False``) and not given by their module's ``initial_values()``."""
+    unrestorable = []
+    for prefix, child in module.named_modules():
+        not_saved = [name for name in child._non_persistent_buffers_set if child._buffers.get(name) is not None]
+        if not not_saved:
+            continue
+        declared = child.initial_values() if isinstance(child, Reinitialisable) else {}
+        unrestorable += [f"{prefix}.{name}" if prefix else name for name in not_saved if name not in declared]
+    return unrestorable
+
+
+def refuse_unrestorable_buffers(module: nn.Module, what: str):
+    """Raise where ``module`` (a registered component, ``what`` naming it) keeps a buffer that a model loaded with
+    ``from_pretrained`` would not get back."""
+    unrestorable = unrestorable_buffers(module)
+    if unrestorable:
+        raise ValueError(
+            f"{what} keeps buffer(s) {', '.join(unrestorable)} that a model loaded with from_pretrained would hold as "
+            "uninitialised memory: not saved with the weights (persistent=False) and not given by the module's "
+            "initial_values(). Return each from initial_values() and call self.register_initial_values() in "
+            "__init__ (lrpe_hf.PositionalEncoding and lrpe_hf.FeatureMap support both), or register it with "
+            "persistent=True (docs/extending.md)"
+        )

@@ -14,7 +14,7 @@ from transformers import initialization as init
 from .attention_inputs import LayerCall
 from .context_parallel import active_group, incoming_counters, refuse_packed_bidirectional_rows
 from .positions import check_values, find_documents
-from .registry import positional_encoding_entry
+from .registry import build_shared_codes
 from .reinitialisable import Reinitialisable
 from .softmax_attention import IMPLEMENTATIONS
 from .transformer_layer import LinearTransformerLayer
@@ -30,9 +30,8 @@ class LinearTransformerStack(nn.Module):
                 for index in range(config.num_hidden_layers)
             ]
         )
-        build_shared = positional_encoding_entry(options.positional_encoding).build_shared
         head_dim = config.hidden_size // config.num_attention_heads
-        self.shared_codes = build_shared(options, config.num_attention_heads, head_dim) if build_shared else None
+        self.shared_codes = build_shared_codes(options, config.num_attention_heads, head_dim)
 
     def forward(
         self,
