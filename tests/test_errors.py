@@ -115,6 +115,68 @@ def test_position_ids_of_another_shape_are_refused_at_the_models_entry(family):
         assert model(ids, position_ids=position_ids).logits.shape[:2] == (2, 5)
 
 
+SMALL_SIZES = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64)
+
+
+@pytest.mark.parametrize("family", ["gpt", "roberta"])
+def test_token_inputs_of_another_shape_dtype_or_range_are_refused_at_the_models_entry(family):
+    """input_ids of one or three dimensions, of floats, with no tokens, or outside the vocabulary, and inputs_embeds of
+    another width: a ValueError naming the argument, what came and what fits (before, errors from inside a layer or
+    from torch's embedding)."""
+    if family == "gpt":
+        model = lrpe_hf.LinearGPTForCausalLM(lrpe_hf.LinearGPTConfig(vocab_size=60, **SMALL_SIZES))
+    else:
+        model = lrpe_hf.LinearRobertaForMaskedLM(lrpe_hf.LinearRobertaConfig(vocab_size=60, **SMALL_SIZES))
+    refused = [
+        (
+            dict(input_ids=torch.arange(5)),
+            r"input_ids must be a \(batch, tokens\) tensor .* shape \(5,\).*input_ids\[None\]",
+        ),
+        (dict(input_ids=torch.zeros(2, 3, 4, dtype=torch.long)), r"got shape \(2, 3, 4\)"),
+        (dict(input_ids=torch.ones(2, 5)), "integer token ids, got shape .* dtype torch.float32"),
+        (dict(input_ids=torch.zeros(2, 0, dtype=torch.long)), r"input_ids has no tokens \(shape \(2, 0\)\)"),
+        (dict(input_ids=torch.tensor([[3, 60]])), r"input_ids must lie in \[0, 60\) \(the model's vocab_size\)"),
+        (dict(input_ids=torch.tensor([[3, -100]])), r"input_ids must lie in \[0, 60\)"),
+        (dict(inputs_embeds=torch.randn(2, 5, 16)), r"inputs_embeds must be a \(batch, tokens, 32\) .* \(2, 5, 16\)"),
+        (dict(inputs_embeds=torch.randn(2, 0, 32)), "inputs_embeds has no tokens"),
+    ]
+    for inputs, message in refused:
+        with pytest.raises(ValueError, match=message):
+            model(**inputs)
+    assert model(input_ids=torch.tensor([[0, 59]])).logits.shape == (1, 2, 60)  # the ends of the vocabulary
+    assert model(inputs_embeds=torch.randn(2, 5, 32)).logits.shape == (2, 5, 60)
+
+
+def test_pixel_values_of_another_shape_or_dtype_are_refused_at_the_models_entry():
+    model = lrpe_hf.LinearViTForImageClassification(lrpe_hf.LinearViTConfig(image_size=32, patch_size=8, **SMALL_SIZES))
+    refused = [
+        (torch.zeros(1, 3, 32, 32, dtype=torch.uint8), r"pixel_values must be a \(batch, 3, height, width\) floating"),
+        (torch.zeros(3, 32, 32), r"got shape \(3, 32, 32\)"),
+        (torch.zeros(1, 1, 32, 32), r"got shape \(1, 1, 32, 32\)"),
+        (torch.zeros(1, 3, 30, 32), "positive multiples of patch_size=8, got 30x32"),
+        (torch.zeros(1, 3, 0, 32), "positive multiples of patch_size=8, got 0x32"),
+    ]
+    for pixel_values, message in refused:
+        with pytest.raises(ValueError, match=message):
+            model(pixel_values=pixel_values)
+    assert model(pixel_values=torch.zeros(1, 3, 32, 32)).logits.shape == (1, 2)
+
+
+@pytest.mark.parametrize(
+    "config_class", [lrpe_hf.LinearGPTConfig, lrpe_hf.LinearRobertaConfig, lrpe_hf.LinearViTConfig]
+)
+@pytest.mark.parametrize("field", ["num_attention_heads", "num_hidden_layers", "hidden_size", "intermediate_size"])
+@pytest.mark.parametrize("value", [0, -1, 2.5])
+def test_a_config_refuses_a_size_below_one_naming_the_field(config_class, field, value):
+    with pytest.raises(ValueError, match=f"{config_class.__name__}: {field} must be a whole number of at least 1, got"):
+        config_class(**{field: value})
+
+
+def test_a_config_refuses_another_familys_field_by_its_name():
+    with pytest.raises(ValueError, match="LinearViTConfig has no field 'embedding_multiplier': another model family"):
+        lrpe_hf.LinearViTConfig(embedding_multiplier=2.0)
+
+
 def test_the_package_says_its_version():
     import importlib.metadata
 

@@ -23,6 +23,12 @@ AttentionConfigFields = make_dataclass(
 # The config fields only this library has besides the attention options (the typo check matches these).
 OWN_FIELDS = ("positional_encoding", "absolute_position_embedding", "embedding_multiplier")
 
+# Sizes a model is built from, where a family's config has them: each a whole number of at least 1.
+SIZE_FIELDS = (
+    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+    "max_position_embeddings", "type_vocab_size", "image_size", "patch_size", "num_channels",
+)  # fmt: skip
+
 
 class LinearAttentionConfig(PreTrainedConfig, AttentionConfigFields):
     """Base class: the positional encoding, feature map and attention options of every layer.
@@ -49,6 +55,7 @@ class LinearAttentionConfig(PreTrainedConfig, AttentionConfigFields):
     def __post_init__(self, **kwargs):
         self._refuse_misspelt_fields(kwargs)
         super().__post_init__(**kwargs)
+        self._check_sizes()
         if self.absolute_position_embedding not in ABSOLUTE_POSITION_EMBEDDINGS:
             raise ValueError(
                 f"Unknown absolute_position_embedding {self.absolute_position_embedding!r}; valid values: "
@@ -61,6 +68,16 @@ class LinearAttentionConfig(PreTrainedConfig, AttentionConfigFields):
             )
         self.attention_options()  # raises ValueError on any invalid value or combination
 
+    def _check_sizes(self):
+        """Every size the config has (``SIZE_FIELDS``) a whole number of at least 1, refused by its name otherwise
+        (zero heads would divide by zero, a negative layer count build a model without layers)."""
+        for name in SIZE_FIELDS:
+            value = getattr(self, name, None)
+            if value is None and name not in self.__dataclass_fields__:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{type(self).__name__}: {name} must be a whole number of at least 1, got {value!r}")
+
     def _refuse_misspelt_fields(self, extra: dict):
         """A config keeps any other keyword as an attribute (as every Transformers config does: files saved by other
         releases carry fields of their own), which nothing reads; one spelt almost like a field only this library has
@@ -69,6 +86,11 @@ class LinearAttentionConfig(PreTrainedConfig, AttentionConfigFields):
         its default, so it is refused."""
         names = [name for name, _, _ in AttentionOptions.config_fields()] + list(OWN_FIELDS)
         for key in extra:
+            if key in names:  # another family's field (embedding_multiplier: the text families')
+                raise ValueError(
+                    f"{type(self).__name__} has no field {key!r}: another model family's config has it, this one "
+                    "would keep it as an attribute that nothing reads"
+                )
             close = difflib.get_close_matches(key, names, n=1, cutoff=0.85)
             if close:
                 raise ValueError(

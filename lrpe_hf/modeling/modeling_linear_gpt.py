@@ -20,6 +20,7 @@ from .configuration_linear_gpt import LinearGPTConfig
 from .context_parallel import active_group, real_tokens_before, refuse_in_context_parallel, tokens_through
 from .forward_arguments import CACHE_ARGUMENTS, CACHE_OUTPUT_FIELD, LOSS_ARGUMENTS, check_extra_arguments, take_cache
 from .heads import PooledSequenceClassification
+from .input_checks import token_embeddings
 from .label_checks import check_token_labels
 from .lm_loss import causal_lm_loss
 from .positional_absolute import build_absolute_position_embedding
@@ -85,15 +86,6 @@ class LinearGPTModel(LinearGPTPreTrainedModel):
             lay_out_for_one_row_products(self.stack)
             self.decoding_layout = (weight.device, weight.dtype)
 
-    def embedded(self, input_ids, inputs_embeds):
-        """The tokens' embeddings (B, N, hidden), times the config's ``embedding_multiplier``."""
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("Pass exactly one of input_ids and inputs_embeds")
-        hidden_states = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        if self.config.embedding_multiplier != 1.0:
-            hidden_states = hidden_states * self.config.embedding_multiplier
-        return hidden_states
-
     def cache_for_call(self, past_key_values, use_cache, output_attentions):
         """The ``LinearAttentionCache`` this call reads and writes (the given one, or a new one where ``use_cache``
         asks), or None; refuses what cannot continue from it."""
@@ -138,7 +130,9 @@ class LinearGPTModel(LinearGPTPreTrainedModel):
         past_key_values = take_cache(kwargs, past_key_values=past_key_values, cache=cache)
         check_extra_arguments(self, kwargs)
         check_segments(token_type_ids)
-        hidden_states = self.embedded(input_ids, inputs_embeds)
+        hidden_states = token_embeddings(
+            self.embed_tokens, input_ids, inputs_embeds, self.config.hidden_size, self.config.embedding_multiplier
+        )
         batch_size, num_tokens = hidden_states.shape[:2]
         position_ids = given_position_ids(position_ids, batch_size, num_tokens)
         output_hidden_states = (

@@ -20,6 +20,7 @@ from .configuration_linear_roberta import LinearRobertaConfig
 from .context_parallel import real_tokens_before, refuse_in_context_parallel
 from .forward_arguments import LOSS_ARGUMENTS, check_extra_arguments
 from .heads import PooledSequenceClassification, TextHead, head_output
+from .input_checks import token_embeddings
 from .label_checks import check_token_labels
 from .positional_absolute import build_absolute_position_embedding
 from .positions import default_position_ids, given_position_ids, mask_as_bool
@@ -75,11 +76,9 @@ class LinearRobertaModel(LinearRobertaPreTrainedModel):
         for analysis)."""
         check_extra_arguments(self, kwargs)
         check_segments(token_type_ids, self.config.type_vocab_size)
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("Pass exactly one of input_ids and inputs_embeds")
-        hidden_states = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        if self.config.embedding_multiplier != 1.0:
-            hidden_states = hidden_states * self.config.embedding_multiplier
+        hidden_states = token_embeddings(
+            self.embed_tokens, input_ids, inputs_embeds, self.config.hidden_size, self.config.embedding_multiplier
+        )
         batch_size, num_tokens = hidden_states.shape[:2]
         position_ids = given_position_ids(position_ids, batch_size, num_tokens)
         output_hidden_states = (

@@ -15,6 +15,7 @@ from .configuration_linear_vit import LinearViTConfig
 from .context_parallel import refuse_in_context_parallel
 from .forward_arguments import check_extra_arguments
 from .heads import classification_loss, head_output
+from .input_checks import check_pixel_values
 from .label_checks import check_sequence_labels
 from .positional_absolute import LearnedPositionEmbedding, SinusoidalPositionEmbedding
 from .registry import positional_encoding_entry
@@ -68,15 +69,9 @@ class LinearViTEmbeddings(nn.Module):
 
     def forward(self, pixel_values, interpolate_pos_encoding=False):
         """pixel_values (B, C, H, W) -> embeddings (B, 1 + P, hidden), positions (B, 1 + P, 2)."""
-        if pixel_values.dim() != 4 or pixel_values.shape[1] != self.config.num_channels:
-            raise ValueError(
-                f"pixel_values must have shape (batch, {self.config.num_channels}, height, width), got "
-                f"{tuple(pixel_values.shape)}"
-            )
+        check_pixel_values(pixel_values, self.config.num_channels, self.config.patch_size)
         height, width = pixel_values.shape[-2:]
         p = self.config.patch_size
-        if height % p or width % p:
-            raise ValueError(f"image height and width must be multiples of patch_size={p}, got {height}x{width}")
         self.check_bias_table_covers(height, width)
         patches = self.patch_projection(pixel_values.to(self.patch_projection.weight.dtype)).flatten(2).transpose(1, 2)
         batch_size = patches.shape[0]
