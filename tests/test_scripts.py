@@ -627,6 +627,30 @@ def test_push_to_hub_then_load_by_name_in_a_fresh_process(mlm_checkpoint, worksp
     assert prediction["label"] in ("negative", "neutral", "positive") and 0 <= prediction["score"] <= 1
 
 
+def test_run_glue_refuses_another_models_tokenizer_before_tokenizing(workspace, mlm_checkpoint, tmp_path, monkeypatch):
+    """A tokenizer with more tokens than the checkpoint's vocabulary (another model's) stops run_glue before it
+    tokenizes anything, naming both sizes (it crashed at the first training step before)."""
+    from lrpe_hf.training import tokenizer as train_tokenizer
+
+    args = train_tokenizer.TokenizerArguments(
+        output_dir=str(tmp_path / "bigger"), train_files=[str(workspace / "train.txt")], vocab_size=900
+    )
+    train_tokenizer.train_tokenizer(args)
+    monkeypatch.setattr(run_glue, "select_samples", lambda *args: pytest.fail("tokenized before the check"))
+    with pytest.raises(
+        ValueError,
+        match=r", 900 tokens\) has more tokens than the model.s vocabulary \(600\)",
+    ):
+        run_glue.main(
+            [
+                "--model_name_or_path", str(mlm_checkpoint), "--tokenizer_name", str(tmp_path / "bigger"),
+                "--train_file", str(ROOT / "data/tweet_sentiment/train.csv"),
+                "--validation_file", str(ROOT / "data/tweet_sentiment/validation.csv"),
+                "--output_dir", str(tmp_path / "out"), *QUIET,
+            ]
+        )  # fmt: skip
+
+
 def test_malformed_data_file_stops_with_a_clear_message(workspace, mlm_checkpoint):
     broken = workspace / "broken.json"
     broken.write_text('{"sentence": "a cat", "label": 1}\n{"sentence": "a dog", "label": \n')

@@ -69,6 +69,18 @@ def select_samples(split, max_samples: int | None, shuffle_seed: int | None = No
     return split.select(range(min(len(split), max_samples)))
 
 
+def check_tokenizer_fits(tokenizer, model):
+    """Stop before tokenizing where the tokenizer has more tokens than the model's embedding table: it is another
+    model's, and its ids past the table would stop training at its first step."""
+    vocab_size = model.get_input_embeddings().num_embeddings
+    if len(tokenizer) > vocab_size:
+        raise ValueError(
+            f"The tokenizer ({type(tokenizer).__name__}, {len(tokenizer)} tokens) has more tokens than the model's "
+            f"vocabulary ({vocab_size}): it is not the tokenizer the model was trained with. Leave --tokenizer_name "
+            "out to take the checkpoint's own, or give the one it was pretrained with"
+        )
+
+
 def load_tokenizer(model_args, needed: list[str], purpose: str):
     """The tokenizer of ``--tokenizer_name``, else of ``--model_name_or_path``, checked for the special tokens
     in ``needed`` (attribute names such as ``"mask_token"``) that ``purpose`` needs."""

@@ -27,7 +27,7 @@ from transformers import (
 
 from .. import LinearRobertaConfig, LinearRobertaForSequenceClassification
 from .arguments import ModelArguments, build_config, parse_script_arguments
-from .data import check_columns, load_files_or_hub, load_tokenizer, select_samples
+from .data import check_columns, check_tokenizer_fits, load_files_or_hub, load_tokenizer, select_samples
 from .lora import apply_lora
 from .metrics import GLUE_TASKS, load_glue_metric
 from .trainer import CardTrainer, train_and_evaluate
@@ -148,6 +148,7 @@ def run(model_args, data_args, training_args, trainer_class=CardTrainer):
             **label_fields,
         )
         model = LinearRobertaForSequenceClassification(config)
+    check_tokenizer_fits(tokenizer, model)
     model = apply_lora(model, model_args, "sequence_classification")
 
     label_to_id = (
