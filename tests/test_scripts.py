@@ -651,6 +651,24 @@ def test_run_glue_refuses_another_models_tokenizer_before_tokenizing(workspace, 
         )  # fmt: skip
 
 
+def test_a_cards_evaluations_hold_each_evaluated_step_once(workspace, mlm_checkpoint, tmp_path):
+    """With --eval_strategy epoch the run evaluates at its last step and once more at its end, on the same weights:
+    the card's table has that step once."""
+    run_glue.main(
+        [
+            "--model_name_or_path", str(mlm_checkpoint),
+            "--train_file", str(ROOT / "data/tweet_sentiment/train.csv"),
+            "--validation_file", str(ROOT / "data/tweet_sentiment/validation.csv"),
+            "--max_train_samples", "32", "--max_eval_samples", "16", "--per_device_train_batch_size", "8",
+            "--num_train_epochs", "2", "--eval_strategy", "epoch", "--output_dir", str(tmp_path), *QUIET,
+        ]
+    )  # fmt: skip
+    card = (tmp_path / "README.md").read_text()
+    table = card.split("### Evaluations")[1].split("![")[0]
+    steps = [line.split("|")[1].strip() for line in table.strip().splitlines()[2:]]
+    assert steps == ["4", "8"], table
+
+
 def test_malformed_data_file_stops_with_a_clear_message(workspace, mlm_checkpoint):
     broken = workspace / "broken.json"
     broken.write_text('{"sentence": "a cat", "label": 1}\n{"sentence": "a dog", "label": \n')

@@ -83,7 +83,8 @@ def hardware(world_size: int) -> str:
 
 
 def evaluation_lines(log_history: list[dict]) -> list[dict]:
-    """One row per evaluation: step, epoch, the last training loss logged before it, and its metrics."""
+    """One row per evaluated step: step, epoch, the last training loss logged before it, and its metrics. The final
+    evaluation of a run that also evaluated at its last step (``--eval_strategy epoch``) is that step's row once."""
     lines, training_loss = [], "-"
     for entry in log_history:
         if "loss" in entry:
@@ -95,6 +96,8 @@ def evaluation_lines(log_history: list[dict]) -> list[dict]:
             for name, value in entry.items():
                 if name.startswith("eval_") and not name.endswith(("runtime", "per_second")):
                     row[name.removeprefix("eval_").replace("_", " ").capitalize()] = value
+            if lines and lines[-1]["Step"] == row["Step"]:
+                lines.pop()  # the same weights evaluated again: the later row stands
             lines.append(row)
     return lines
 
