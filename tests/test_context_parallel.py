@@ -144,6 +144,11 @@ def test_what_context_parallelism_cannot_split_is_refused_by_name(monkeypatch):
         model = lrpe_hf.LinearGPTForCausalLM(lrpe_hf.LinearGPTConfig(**text)).eval()
         with context_parallel(), pytest.raises(ValueError, match="pass shift_labels"):
             model(ids, labels=ids)
+        with context_parallel(), pytest.raises(ValueError, match="causal LM's loss .* pass num_items_in_batch"):
+            model(ids, labels=ids, shift_labels=ids)
+        masked_lm = lrpe_hf.LinearRobertaForMaskedLM(lrpe_hf.LinearRobertaConfig(**text))
+        with context_parallel(), pytest.raises(ValueError, match="masked LM's loss .* pass num_items_in_batch"):
+            masked_lm(ids, labels=ids)
         cache = model(ids, use_cache=True).past_key_values
         with context_parallel(), pytest.raises(ValueError, match="a cache that has seen tokens"):
             model(ids, past_key_values=cache, use_cache=True)

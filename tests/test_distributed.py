@@ -22,6 +22,7 @@ Why the two could differ, and what holds them together:
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -317,3 +318,22 @@ def test_context_parallel_size_must_divide_the_processes(workspace, tmp_path):
     arguments += ["--context_parallel_size", "2", "--output_dir", tmp_path, "--positional_encoding", "permute"]
     with pytest.raises(ValueError, match="--context_parallel_size 2 needs a number of processes that it divides"):
         main("clm", arguments)
+
+
+def test_the_docs_context_parallel_snippet_run_on_two_processes_gives_one_process_loss(tmp_path):
+    """docs/training.md's context-parallel snippet, as written, under torchrun on 2 processes and on 1: every rank
+    builds the same weights and sequence, so the ranks' summed loss is one process's (float32)."""
+    pages = (ROOT / "docs" / "training.md").read_text()
+    (snippet,) = [s for s in re.findall(r"```python\n(.*?)```", pages, flags=re.S) if "context_parallel()" in s]
+    script = tmp_path / "snippet.py"
+    script.write_text(snippet)
+    losses = []
+    for processes in (1, 2):
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes)]
+        environment = {**os.environ, "OMP_NUM_THREADS": "1"}
+        result = subprocess.run(
+            [*command, str(script)], capture_output=True, text=True, timeout=600, cwd=tmp_path, env=environment
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+        losses.append(float(re.search(r"loss (\S+)", result.stdout).group(1)))
+    assert losses[1] == pytest.approx(losses[0], rel=1e-5)

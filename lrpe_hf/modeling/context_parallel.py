@@ -209,6 +209,17 @@ def refuse_in_context_parallel(what: str):
         raise ValueError(f"Context parallelism cannot split {what}: call it outside context_parallel")
 
 
+def refuse_a_mean_over_one_rank(labels, num_items_in_batch, loss: str):
+    """Inside ``context_parallel``, a loss over tokens with ``labels`` is each rank's share only with
+    ``num_items_in_batch`` (the whole sequence's scored tokens); without it each rank would take the mean of its own
+    slice, and the ranks' losses would sum to several times one process's."""
+    if labels is not None and num_items_in_batch is None:
+        refuse_in_context_parallel(
+            f"{loss} as a mean over one rank's tokens: pass num_items_in_batch, the whole sequence's scored tokens, "
+            "and each rank's loss is its share"
+        )
+
+
 def incoming_counters(positions, mask, batch_size: int, num_tokens: int, device, cp: ContextParallelGroup):
     """The counters a recurrent state would hold after the earlier ranks' tokens: a ``LinearAttentionState`` with
     ``num_tokens`` (B,) real tokens before this rank and ``last_position`` (B,) the last of them's position (one

@@ -4,6 +4,7 @@ deep inside a layer, and an id past the vocabulary in torch's embedding)."""
 
 import torch
 
+from .context_parallel import active_group
 from .positions import check_values
 
 
@@ -65,5 +66,7 @@ def check_pixel_values(pixel_values, num_channels: int, patch_size: int):
 
 
 def refuse_empty(name: str, shape):
-    if shape[1] == 0:
+    """A sequence of no tokens. Inside ``context_parallel`` a rank's empty slice is refused by every rank together
+    (``incoming_counters``): one rank raising alone here would leave the others waiting in a collective."""
+    if shape[1] == 0 and active_group() is None:
         raise ValueError(f"{name} has no tokens (shape {tuple(shape)}): a sequence needs at least one")

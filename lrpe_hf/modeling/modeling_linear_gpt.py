@@ -17,7 +17,13 @@ from transformers.utils import can_return_tuple
 
 from .cache import LinearAttentionCache
 from .configuration_linear_gpt import LinearGPTConfig
-from .context_parallel import active_group, real_tokens_before, refuse_in_context_parallel, tokens_through
+from .context_parallel import (
+    active_group,
+    real_tokens_before,
+    refuse_a_mean_over_one_rank,
+    refuse_in_context_parallel,
+    tokens_through,
+)
 from .forward_arguments import CACHE_ARGUMENTS, CACHE_OUTPUT_FIELD, LOSS_ARGUMENTS, check_extra_arguments, take_cache
 from .heads import PooledSequenceClassification
 from .input_checks import token_embeddings
@@ -266,6 +272,7 @@ class LinearGPTForCausalLM(LinearGPTPreTrainedModel, GenerationMixin):
         check_token_labels(labels, *outputs.last_hidden_state.shape[:2], type(self).__name__)
         if labels is not None and kwargs.get("shift_labels") is None:
             refuse_in_context_parallel("labels shifted here: pass shift_labels, shifted over the whole sequence")
+        refuse_a_mean_over_one_rank(labels, kwargs.get("num_items_in_batch"), "the causal LM's loss")
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         hidden = outputs.last_hidden_state[:, keep]
         logits = self.lm_head(hidden)

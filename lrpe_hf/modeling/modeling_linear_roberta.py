@@ -17,7 +17,7 @@ from transformers.modeling_outputs import (
 from transformers.utils import can_return_tuple
 
 from .configuration_linear_roberta import LinearRobertaConfig
-from .context_parallel import real_tokens_before, refuse_in_context_parallel
+from .context_parallel import real_tokens_before, refuse_a_mean_over_one_rank, refuse_in_context_parallel
 from .forward_arguments import LOSS_ARGUMENTS, check_extra_arguments
 from .heads import PooledSequenceClassification, TextHead, head_output
 from .input_checks import token_embeddings
@@ -120,6 +120,9 @@ class LinearRobertaForMaskedLM(TextHead, LinearRobertaPreTrainedModel):
     def set_output_embeddings(self, new_embeddings):
         self.lm_head.decoder = new_embeddings
 
+    def refuse_split(self, labels, loss_arguments: dict):
+        refuse_a_mean_over_one_rank(labels, loss_arguments.get("num_items_in_batch"), "the masked LM's loss")
+
     def head_outputs(self, outputs, labels, input_ids, attention_mask, **kwargs) -> MaskedLMOutput:
         """labels (B, N): token ids at masked positions, -100 elsewhere."""
         check_token_labels(labels, *outputs.last_hidden_state.shape[:2], type(self).__name__)
@@ -190,11 +193,7 @@ class LinearRobertaForTokenClassification(TextHead, LinearRobertaPreTrainedModel
         self.post_init()
 
     def refuse_split(self, labels, loss_arguments: dict):
-        if labels is not None and loss_arguments.get("num_items_in_batch") is None:
-            refuse_in_context_parallel(
-                "token classification's loss as a mean over one rank's tokens: pass num_items_in_batch, the whole "
-                "sequence's labelled tokens, and each rank's loss is its share"
-            )
+        refuse_a_mean_over_one_rank(labels, loss_arguments.get("num_items_in_batch"), "token classification's loss")
 
     def head_outputs(self, outputs, labels, input_ids, attention_mask, num_items_in_batch=None):
         """labels (B, N) class ids, -100 ignored. The loss is their mean, or their sum over ``num_items_in_batch``
