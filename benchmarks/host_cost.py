@@ -247,7 +247,7 @@ def measure(task: str, names: list[str], compiled: bool, rounds: int, steps: int
             ratio.update(low="", high="", verdict="-")
         target, calls_target = target_of("time", task, mode, name), target_of("calls", task, mode, name)
         count = counts.get(name, no_counts)
-        calls_over = {}
+        calls_over = dict(calls_over_gpt2="", calls_over_floor="")  # compiled: not counted
         if count["calls"]:
             calls_over = dict(calls_over_gpt2=round(count["calls"] / counts[GPT2]["calls"], 3),
                               calls_over_floor=round(count["calls"] / counts[PLAIN]["calls"], 3))  # fmt: skip
