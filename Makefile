@@ -80,12 +80,13 @@ lint: install
 	$(PYTHON) -m ruff check .
 	$(PYTHON) -m ruff format --check .
 
-# Both cores: pytest-xdist's two workers share the suite, then the tests whose each case starts several processes of
-# one job (ranks of a distributed run) run alone, so that no two such jobs share the cores.
+# Both cores: pytest-xdist's two workers share the suite, one torch thread each (two threads each would contend for
+# the two cores: 18% slower on the models' and kernels' tests), then the tests whose each case starts several
+# processes of one job (ranks of a distributed run) run alone, so that no two such jobs share the cores.
 MULTIPROCESS_TESTS := tests/test_distributed.py tests/test_context_parallel.py
 
 test: install harness
-	$(PYTHON) -m pytest -q -n 2 $(addprefix --ignore=,$(MULTIPROCESS_TESTS)) tests
+	OMP_NUM_THREADS=1 $(PYTHON) -m pytest -q -n 2 $(addprefix --ignore=,$(MULTIPROCESS_TESTS)) tests
 	$(PYTHON) -m pytest -q $(MULTIPROCESS_TESTS)
 
 # The two ends of the range setup.cfg declares, each in its own environment: the oldest releases of transformers and
@@ -109,7 +110,7 @@ test-compat: .venv-oldest/.installed
 	for end in oldest newest; do \
 		.venv-$$end/bin/python -c 'import torch, transformers; print("'$$end':", "transformers", transformers.__version__, "torch", torch.__version__)'; \
 		.venv-$$end/bin/python tests/fetch_transformers_harness.py || exit 1; \
-		.venv-$$end/bin/python -m pytest -q -p no:cacheprovider -n 2 $(COMPAT_TESTS) || exit 1; \
+		OMP_NUM_THREADS=1 .venv-$$end/bin/python -m pytest -q -p no:cacheprovider -n 2 $(COMPAT_TESTS) || exit 1; \
 	done
 
 # Installed as Python users install it: a wheel built from this checkout (as `pip install .` builds one) goes with its
