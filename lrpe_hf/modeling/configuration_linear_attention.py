@@ -71,10 +71,8 @@ class LinearAttentionConfig(PreTrainedConfig, AttentionConfigFields):
     def _check_sizes(self):
         """Every size the config has (``SIZE_FIELDS``) a whole number of at least 1, refused by its name otherwise
         (zero heads would divide by zero, a negative layer count build a model without layers)."""
-        for name in SIZE_FIELDS:
-            value = getattr(self, name, None)
-            if value is None and name not in self.__dataclass_fields__:
-                continue
+        for name in (name for name in SIZE_FIELDS if name in self.__dataclass_fields__):
+            value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{type(self).__name__}: {name} must be a whole number of at least 1, got {value!r}")
 
