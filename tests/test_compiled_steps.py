@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch._dynamo.backends.common import aot_autograd
 from torch._guards import TracingContext
+from transformers import CompileConfig
 
 import lrpe_hf
 
@@ -28,7 +29,10 @@ class MutationRecorder:
     def __init__(self):
         self.graphs = []  # per graph: the shapes of its mutated inputs that are not static
 
-    def __call__(self, graph, example_inputs):
+    def __deepcopy__(self, memo):  # transformers' CompileConfig deep-copies its backend: the copy is this recorder
+        return self
+
+    def __call__(self, graph, example_inputs, **options):
         static = {i for i, t in enumerate(example_inputs) if getattr(t, "_dynamo_static_input_type", None)}
 
         def forward_compiler(functional_graph, inputs):
@@ -88,13 +92,16 @@ def test_a_compiled_train_step_is_one_graph_that_mutates_only_static_inputs(enco
     assert recorder.graphs == [[]], f"mutated inputs that are not static: {recorder.graphs}"
 
 
+@pytest.mark.parametrize("compiled_by", ["user", "generate"])
 @pytest.mark.parametrize("encoding", [e for e in lrpe_hf.POSITIONAL_ENCODINGS if e != "spe_conv"])
-def test_generate_with_a_compiled_forward_mutates_only_static_inputs(encoding):
-    """``generate`` with the forward compiled (as for ``mode="reduce-overhead"``): the prefill's graph makes the
-    cache's states, and every decoding step's graph writes them in place. Before each step the cache gives them
-    addresses of their own, marked static (``LinearAttentionCache.make_static``); without that, the steps' graphs
-    mutate inputs that are not static, and CUDA-graph trees skip them (as on the first H100 run). The tokens are
-    eager's. (convSPE reads its noise at the step's positions: its steps are not graphs to replay.)"""
+def test_generate_with_a_compiled_forward_mutates_only_static_inputs(encoding, compiled_by):
+    """``generate`` with the forward compiled by the user (as for ``mode="reduce-overhead"``: the prefill's graph
+    makes the cache's states) or by ``generate`` itself where a ``compile_config`` asks (the steps compiled, and the
+    prompt too where it goes in chunks, ``prefill_chunk_size``): every decoding step's graph writes the states in
+    place. Before each step the cache gives them addresses of their own, marked static
+    (``LinearAttentionCache.make_static``); without that, the steps' graphs mutate inputs that are not static, and
+    CUDA-graph trees skip them (as on the first H100 run). The tokens are eager's. (convSPE reads its noise at the
+    step's positions: its steps are not graphs to replay.)"""
     torch.manual_seed(0)
     config = lrpe_hf.LinearGPTConfig(vocab_size=60, positional_encoding=encoding, **TINY)
     model = lrpe_hf.LinearGPTForCausalLM(config).eval()
@@ -102,10 +109,17 @@ def test_generate_with_a_compiled_forward_mutates_only_static_inputs(encoding):
     eager = model.generate(ids, max_new_tokens=5, do_sample=False)
     torch._dynamo.reset()
     recorder = MutationRecorder()
-    model.forward = torch.compile(model.forward, backend=recorder)
-    compiled = model.generate(ids, max_new_tokens=5, do_sample=False)
+    if compiled_by == "user":
+        model.forward = torch.compile(model.forward, backend=recorder)
+        compiled = model.generate(ids, max_new_tokens=5, do_sample=False)
+    else:
+        compile_config = CompileConfig(backend=recorder, mode=None)
+        compile_config._compile_all_devices = True  # transformers compiles on its own on GPUs only
+        compiled = model.generate(
+            ids, max_new_tokens=5, do_sample=False, compile_config=compile_config, prefill_chunk_size=4
+        )
     assert torch.equal(compiled, eager)
-    assert len(recorder.graphs) >= 2  # the prefill's, and the steps'
+    assert len(recorder.graphs) >= (2 if compiled_by == "user" else 1)  # the prefill's (by the user), the steps'
     assert all(not mutated for mutated in recorder.graphs), f"mutated inputs that are not static: {recorder.graphs}"
 
 

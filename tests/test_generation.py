@@ -432,7 +432,8 @@ def test_an_argument_the_model_does_not_use_raises_naming_it():
 @pytest.mark.parametrize("handover", ["renamed", "dropped"])
 def test_a_generation_step_that_lost_its_cache_raises(handover, monkeypatch):
     """A future release that hands the cache over under a name the model does not know, or not at all, must stop
-    generate at the first decoding step, not let the model decode each new token without its context."""
+    generate at its prompt (the renamed cache, an argument the forward refuses) or its first decoding step (the cache
+    dropped), not let the model decode each new token without its context."""
     from transformers.generation import GenerationMixin
 
     prepare = GenerationMixin.prepare_inputs_for_generation
@@ -447,7 +448,8 @@ def test_a_generation_step_that_lost_its_cache_raises(handover, monkeypatch):
         return inputs
 
     monkeypatch.setattr(GenerationMixin, "prepare_inputs_for_generation", moved_cache)
-    with pytest.raises(RuntimeError, match="without the cache"):
+    refusal = "does not use: recurrent_state" if handover == "renamed" else "without the cache"
+    with pytest.raises((RuntimeError, TypeError), match=refusal):
         model_with().generate(prompt(batch=1), max_new_tokens=3, do_sample=False)
 
 
@@ -490,3 +492,73 @@ def test_generate_with_a_compiled_forward_breaks_no_graph(encoding):
     compiled = model.generate(ids, max_new_tokens=5, do_sample=False)
     assert counter.frame_count == 2  # the prefill's graph and the step's
     assert torch.equal(compiled, eager)
+
+
+class GraphCounter:
+    """A ``torch.compile`` backend that counts the graphs it compiles and runs them as traced. ``CompileConfig``
+    deep-copies its backend: the copy is this counter."""
+
+    def __init__(self):
+        self.graphs = 0
+
+    def __call__(self, graph, example_inputs, **options):
+        self.graphs += 1
+        return graph.forward
+
+    def __deepcopy__(self, memo):
+        return self
+
+
+def compile_everywhere(backend):
+    """What a user writes to have ``generate`` compile decoding on any device (transformers compiles on its own on
+    GPUs only, and this model only where a compile_config asks)."""
+    from transformers import CompileConfig
+
+    config = CompileConfig(backend=backend, mode=None, fullgraph=True)
+    config._compile_all_devices = True
+    return config
+
+
+@pytest.mark.parametrize("encoding", ["none", "rope", "lrpe_orthogonal", "permute"])
+@pytest.mark.parametrize("strategy", [dict(do_sample=False), dict(do_sample=True, top_k=8)])
+def test_generate_compiles_decoding_when_asked_into_one_graph_with_the_eager_tokens(encoding, strategy):
+    """With a compile_config, generate compiles the decoding steps itself (its prompt runs eagerly): every step of
+    a left-padded batch runs one graph, traced once with no recompile per step, and gives eager's tokens (greedy,
+    and sampling from the same seed)."""
+    model = model_with(encoding)
+    ids, mask = left_padded_batch(3, 5, 8)
+    torch.manual_seed(1)
+    eager = model.generate(ids, attention_mask=mask, max_new_tokens=6, **strategy)
+    torch._dynamo.reset()
+    counter = GraphCounter()
+    torch.manual_seed(1)
+    compiled = model.generate(
+        ids, attention_mask=mask, max_new_tokens=6, compile_config=compile_everywhere(counter), **strategy
+    )
+    assert torch.equal(compiled, eager)
+    assert counter.graphs == 1
+
+
+def test_generate_stays_eager_unless_asked_and_where_told_not_to():
+    """No compile_config (the default, on a GPU too: compiled decoding has not been measured on one yet),
+    ``disable_compile=True``, and beam search (which transformers runs eagerly) compile nothing, and give the same
+    tokens as the eager model."""
+    model = model_with("rope")
+    ids, mask = left_padded_batch(3, 5, 8)
+    counter = GraphCounter()
+    asked = compile_everywhere(counter)
+    eager_beams = model.generate(ids, attention_mask=mask, max_new_tokens=4, num_beams=3, do_sample=False)
+    torch._dynamo.reset()
+    beams = model.generate(
+        ids, attention_mask=mask, max_new_tokens=4, num_beams=3, do_sample=False, compile_config=asked
+    )
+    assert torch.equal(beams, eager_beams)
+    model.generate(ids, attention_mask=mask, max_new_tokens=4, compile_config=asked, disable_compile=True)
+    assert counter.graphs == 0
+    cache = LinearAttentionCache(model.config.num_hidden_layers)
+    default = copy.deepcopy(model.generation_config)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(type(model), "device", property(lambda self: torch.device("cuda")))
+        assert not model._valid_auto_compile_criteria({CACHE_OUTPUT_FIELD: cache}, default)
+        default.compile_config = asked
+        assert model._valid_auto_compile_criteria({CACHE_OUTPUT_FIELD: cache}, default)

@@ -11,9 +11,10 @@ graph can then replay each step (``mode="reduce-overhead"``). What grows, FastRP
 baseline's keys, becomes a dynamic shape and a new address at each growth.
 A prefill run by a compiled forward makes the states inside its graph, where nothing can mark them static:
 ``make_static`` gives them addresses of their own, marked, before the next step (``generate`` calls it before every
-step of a compiled forward). ``is_compileable`` stays False: with True, ``generate`` would build 4D masks for it and
-compile on its own on a GPU, where this has not been measured. convSPE still breaks the graph: the noise it filters
-is read at the positions' values.
+step of a compiled forward). ``is_compileable`` is True, so ``generate`` compiles decoding by itself where asked: the
+model leaves the masks 2D (``create_masks_for_generate``) and compiles only with a ``compile_config``
+(``LinearGPTForCausalLM._valid_auto_compile_criteria``). convSPE still breaks the graph: the noise it filters is read
+at the positions' values.
 """
 
 import torch
@@ -23,13 +24,14 @@ from .attention_state import LinearAttentionState, is_marked_static
 
 
 class LinearAttentionCache(Cache):
-    is_compileable = False
+    is_compileable = True
 
     def __init__(self, num_layers: int):
         super().__init__(layers=[])
         self.states = [LinearAttentionState() for _ in range(num_layers)]
         self.token_count = None  # () long tensor on the model's device, from the first call on
         self.host_count = 0  # the same count as a Python number, kept by eager calls; None once a compiled step counted
+        self.steps_compiled = False  # set by generate when it compiles the decoding steps: make_static before each
 
     def __len__(self):
         return len(self.states)

@@ -233,10 +233,39 @@ class LinearGPTForCausalLM(LinearGPTPreTrainedModel, GenerationMixin):
         appended = kwargs.get("next_sequence_length") is not None and not kwargs.get("is_first_iteration")
         if appended and isinstance(cache, LinearAttentionCache) and cache.has_seen_tokens:
             model_inputs.pop("attention_mask", None)
-        compiled = getattr(self.forward, "_torchdynamo_orig_callable", None) is not None  # torch.compile's wrapper
-        if compiled and isinstance(cache, LinearAttentionCache) and cache.is_initialized:
-            cache.make_static()  # a compiled forward's states: static inputs of the next step (CUDA graphs hold)
+        if isinstance(cache, LinearAttentionCache) and cache.is_initialized:
+            compiled = cache.steps_compiled or getattr(self.forward, "_torchdynamo_orig_callable", None) is not None
+            if compiled:  # generate compiles the steps, or the user compiled the forward (torch.compile's wrapper)
+                cache.make_static()  # states made or reordered outside the graph: static inputs (CUDA graphs hold)
         return model_inputs
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
+        """transformers' checks of a given cache, then a new ``LinearAttentionCache`` where none was given and the
+        cache is used: made before the prompt, so that ``generate`` sees the cache it may compile decoding for."""
+        super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
+        if model_kwargs.get(CACHE_OUTPUT_FIELD) is None and generation_config.use_cache is not False:
+            model_kwargs[CACHE_OUTPUT_FIELD] = LinearAttentionCache(self.config.num_hidden_layers)
+
+    def _valid_auto_compile_criteria(self, model_kwargs, generation_config) -> bool:
+        """Whether ``generate`` compiles the decoding steps (its prompt runs eagerly): only where asked, with a
+        ``compile_config`` (``model.generation_config.compile_config = CompileConfig()``, or ``compile_config=`` to
+        ``generate``), on the devices transformers compiles on, unless ``disable_compile``. The default stays eager
+        (transformers would compile on every GPU) until compiled decoding has been measured on one. When it
+        compiles, the cache makes its states static inputs before every step (``LinearAttentionCache.make_static``),
+        so that CUDA graphs replay each step."""
+        if generation_config.compile_config is None:
+            return False
+        compiles = super()._valid_auto_compile_criteria(model_kwargs, generation_config)
+        cache = model_kwargs.get(CACHE_OUTPUT_FIELD)
+        if compiles and isinstance(cache, LinearAttentionCache):
+            cache.steps_compiled = True
+        return compiles
+
+    def create_masks_for_generate(self, attention_mask=None, **kwargs):
+        """The 2D mask as given: ``generate`` asks a model with a compileable cache for the masks its layers read,
+        and these layers read which tokens are real (B, past + N), not a 4D causal mask (a recurrent state has no
+        key slots to mask)."""
+        return attention_mask
 
     @can_return_tuple
     def forward(
