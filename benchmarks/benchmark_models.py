@@ -1,7 +1,7 @@
 """LinearGPT against Transformers' GPT-2 (SDPA) at the same size: training step and generation latency.
 
-Both models: 6 layers x 512, 8 heads, FFN 2048, vocabulary 8192, batch 1, fp32 (or bf16 autocast with
-``--dtype bf16``). Measured side by side in
+Both models: 6 layers x 512, 8 heads, FFN 2048, vocabulary 8192 (``--size`` changes some of these), batch 1, fp32
+(or bf16 autocast with ``--dtype bf16``). Measured side by side in
 one run, each configuration on a CPU in a child (peak memory of its own; on CUDA in this process, from a
 reset allocator peak):
 
@@ -16,6 +16,7 @@ Writes ``models.csv``, every timed round in ``models_rounds.csv``, ``models.md``
     python benchmarks/benchmark_models.py
     python benchmarks/benchmark_models.py --lengths 512 4096 --contexts 256 4096 --encodings none permute
     python benchmarks/benchmark_models.py --device cuda --dtype bf16 --encodings none none+graphs   # CUDA graphs
+    python benchmarks/benchmark_models.py --lengths 32 --contexts 8 --size layers=1 hidden=32 heads=2 ffn=64 vocab=256
 """
 
 import argparse
@@ -47,18 +48,26 @@ def autocast(device, dtype):
     return torch.autocast(device, dtype=dtype, enabled=dtype != torch.float32)
 
 
-def build(name, max_tokens, device):
-    """``gpt2-sdpa``, or a LinearGPT positional encoding; a ``+ckpt`` suffix turns on gradient checkpointing (a
-    ``+compile`` suffix, decoding under ``torch.compile``, is applied by ``generation_row``)."""
+def size_item(item: str) -> tuple[str, int]:
+    """One ``--size`` item, ``KEY=N``: an entry of SIZE replaced."""
+    key, _, number = item.partition("=")
+    if key not in SIZE or not number.isdigit() or int(number) < 1:
+        raise argparse.ArgumentTypeError(f"{item!r}: KEY=N, N > 0, KEY one of {', '.join(SIZE)}")
+    return key, int(number)
+
+
+def build(name, max_tokens, device, size=SIZE):
+    """``gpt2-sdpa``, or a LinearGPT positional encoding, of ``size``; a ``+ckpt`` suffix turns on gradient
+    checkpointing (a ``+compile`` suffix, decoding under ``torch.compile``, is applied by ``generation_row``)."""
     torch.manual_seed(0)
     encoding, _, variant = name.partition("+")
     if encoding == "gpt2-sdpa":
         config = GPT2Config(
-            n_layer=SIZE["layers"],
-            n_embd=SIZE["hidden"],
-            n_head=SIZE["heads"],
-            n_inner=SIZE["ffn"],
-            vocab_size=SIZE["vocab"],
+            n_layer=size["layers"],
+            n_embd=size["hidden"],
+            n_head=size["heads"],
+            n_inner=size["ffn"],
+            vocab_size=size["vocab"],
             n_positions=max_tokens,
             bos_token_id=None,
             eos_token_id=None,
@@ -66,11 +75,11 @@ def build(name, max_tokens, device):
         model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
     else:
         config = LinearGPTConfig(
-            num_hidden_layers=SIZE["layers"],
-            hidden_size=SIZE["hidden"],
-            num_attention_heads=SIZE["heads"],
-            intermediate_size=SIZE["ffn"],
-            vocab_size=SIZE["vocab"],
+            num_hidden_layers=size["layers"],
+            hidden_size=size["hidden"],
+            num_attention_heads=size["heads"],
+            intermediate_size=size["ffn"],
+            vocab_size=size["vocab"],
             max_position_embeddings=max_tokens,
             positional_encoding=encoding,
         )
@@ -80,14 +89,14 @@ def build(name, max_tokens, device):
     return model.to(device)
 
 
-def measure_training(name, tokens, device, reps, dtype=torch.float32):
+def measure_training(name, tokens, device, reps, dtype=torch.float32, size=SIZE):
     """One training row, in the child: seconds a step (the median round), tokens/s, peak memory, and every timed
     round's milliseconds (``rounds``)."""
     baseline = resident_mb()
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    model = build(name, tokens, device).train()
-    ids = torch.randint(0, SIZE["vocab"], (1, tokens), device=device)
+    model = build(name, tokens, device, size).train()
+    ids = torch.randint(0, size["vocab"], (1, tokens), device=device)
 
     def step():
         model.zero_grad(set_to_none=True)
@@ -103,22 +112,22 @@ def measure_training(name, tokens, device, reps, dtype=torch.float32):
     return result | ({"vm_hwm_mb": high_water_mark} if device == "cpu" else {}) | {"rounds": {"train step": samples}}
 
 
-def train_row(name, tokens, device, reps, dtype=torch.float32):
-    return in_child(measure_training, device, name, tokens, device, reps, dtype)
+def train_row(name, tokens, device, reps, dtype=torch.float32, size=SIZE):
+    return in_child(measure_training, device, name, tokens, device, reps, dtype, size)
 
 
-def measure_generation(name, context, device, reps, batch=1, new_tokens=16, dtype=torch.float32):
+def measure_generation(name, context, device, reps, batch=1, new_tokens=16, dtype=torch.float32, size=SIZE):
     """One decoding row, in the child (``generation_row`` says how it is timed), with every timed round's
     milliseconds per token (``rounds``)."""
-    model = build(name, context + (reps + 1) * new_tokens + 1, device).eval()
+    model = build(name, context + (reps + 1) * new_tokens + 1, device, size).eval()
     step = model
     if name.endswith("+compile"):
         step = torch.compile(model)
     elif name.endswith("+graphs"):
         step = torch.compile(model, mode="reduce-overhead")
-    ids = torch.randint(0, SIZE["vocab"], (batch, context), device=device)
+    ids = torch.randint(0, size["vocab"], (batch, context), device=device)
     with torch.no_grad(), autocast(device, dtype):
-        cache = LinearAttentionCache(SIZE["layers"]) if not name.startswith("gpt2") else None
+        cache = LinearAttentionCache(size["layers"]) if not name.startswith("gpt2") else None
         out = model(input_ids=ids, use_cache=True, logits_to_keep=1, **{CACHE_OUTPUT_FIELD: cache})  # prefill
         cache = out[CACHE_OUTPUT_FIELD]
         token = out.logits[:, -1:].argmax(-1)
@@ -135,12 +144,12 @@ def measure_generation(name, context, device, reps, batch=1, new_tokens=16, dtyp
     return {"ms_per_token": ms_per_token, "tokens_per_s": 1000 * batch / ms_per_token, "rounds": rounds}
 
 
-def generation_row(name, context, device, reps, batch=1, new_tokens=16, dtype=torch.float32):
+def generation_row(name, context, device, reps, batch=1, new_tokens=16, dtype=torch.float32, size=SIZE):
     """Milliseconds per token of rounds of ``new_tokens`` one-token steps: a warm-up round, then the median of
     ``reps`` timed rounds (the context grows by ``new_tokens`` each round). With a ``+compile`` suffix the steps
     (not the prefill) run through ``torch.compile``, compiled during the warm-up round; with ``+graphs``, through
     ``torch.compile(mode="reduce-overhead")``, which on a GPU replays each step as a CUDA graph."""
-    return in_child(measure_generation, device, name, context, device, reps, batch, new_tokens, dtype)
+    return in_child(measure_generation, device, name, context, device, reps, batch, new_tokens, dtype, size)
 
 
 def main():
@@ -176,9 +185,19 @@ def main():
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", choices=DTYPES, default="fp32", help="bf16: under autocast")
     parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument(
+        "--size",
+        nargs="+",
+        type=size_item,
+        default=[],
+        metavar="KEY=N",
+        help="both models' size, some of its defaults (layers=6 hidden=512 heads=8 ffn=2048 vocab=8192) replaced: "
+        "layers=1 hidden=32 heads=2 ffn=64 vocab=256, for example, runs every row in moments",
+    )
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
     dtype = DTYPES[args.dtype]
+    size = SIZE | dict(args.size)
     args.out.mkdir(parents=True, exist_ok=True)
     names = ["gpt2-sdpa"] + args.encodings
     if args.device == "cpu":
@@ -195,17 +214,18 @@ def main():
         for name in [n for n in names if not n.endswith(("+compile", "+graphs"))]:
             if name == "gpt2-sdpa" and tokens > args.gpt2_max:
                 continue
-            add_row("train", name, tokens, train_row(name, tokens, args.device, args.reps, dtype))
+            add_row("train", name, tokens, train_row(name, tokens, args.device, args.reps, dtype, size))
     for context in args.contexts:
         for name in [n for n in names if not n.endswith("+ckpt")]:
             if name == "gpt2-sdpa" and context > args.gpt2_max:
                 continue
-            add_row("generate", name, context, generation_row(name, context, args.device, args.reps, dtype=dtype))
+            result = generation_row(name, context, args.device, args.reps, dtype=dtype, size=size)
+            add_row("generate", name, context, result)
     for context in args.batch_contexts:
         for name in [n for n in names if not n.endswith("+ckpt")]:
             if name == "gpt2-sdpa" and context > args.gpt2_max:
                 continue
-            result = generation_row(name, context, args.device, args.reps, batch=8, dtype=dtype)
+            result = generation_row(name, context, args.device, args.reps, batch=8, dtype=dtype, size=size)
             add_row("generate-batch8", name, context, result)
     fields = ["task", "model", "tokens", "seconds", "tokens_per_s", "peak_mb", "vm_hwm_mb", "ms_per_token", "error"]
     files = [write_csv(args.out / "models.csv", fields, rows)]
