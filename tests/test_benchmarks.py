@@ -128,7 +128,16 @@ def test_linearization_benchmark_runs_every_stage_with_a_local_teacher(workspace
     tests never download): every model of the table is trained and evaluated, and the students that have no
     parameters for attention transfer skip it."""
     save_tiny_bert(workspace, tmp_path / "teacher", max_position_embeddings=80)
+    tweets = tmp_path / "tweets"  # the first of the embedded tweets, every class among them: not 12,000 to tokenize
+    tweets.mkdir()
+    for split, count in (("train", 64), ("validation", 16)):
+        rows = read_csv(ROOT / "data/tweet_sentiment" / f"{split}.csv")[:count]
+        with open(tweets / f"{split}.csv", "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
     base = [sys.executable, str(BENCHMARKS / "linearization_quality.py"), "--teacher", str(tmp_path / "teacher")]
+    base += ["--data_dir", str(tweets)]
     base += ["--output_dir", str(tmp_path / "out"), "--seeds", "0", "--teacher_steps", "2", "--finetune_steps", "2"]
     base += ["--max_eval_samples", "16", "--max_seq_length", "32", "--encodings", "none"]
     command = [*base, "--feature_maps", "elu,hedgehog", "--transfer_steps", "2"]
