@@ -562,3 +562,40 @@ def test_generate_stays_eager_unless_asked_and_where_told_not_to():
         assert not model._valid_auto_compile_criteria({CACHE_OUTPUT_FIELD: cache}, default)
         default.compile_config = asked
         assert model._valid_auto_compile_criteria({CACHE_OUTPUT_FIELD: cache}, default)
+
+
+def short_step_cases():
+    cases = [(encoding, {}) for encoding in lrpe_hf.POSITIONAL_ENCODINGS]
+    cases += [("rope", {"feature_map": feature_map}) for feature_map in lrpe_hf.FEATURE_MAPS if feature_map != "elu"]
+    cases += [
+        ("permute", {"normalization": "output_norm"}),
+        ("lrpe_orthogonal", {"normalization": "output_layer_norm"}),
+    ]
+    return cases
+
+
+@pytest.mark.parametrize(("encoding", "fields"), short_step_cases())
+def test_a_decoding_step_takes_its_short_path_where_it_can_and_equals_the_general_one(encoding, fields, monkeypatch):
+    """generate's steps (one token, default positions, no mask) take the layers' short decoding step where the layer
+    can (``takes_short_steps``: a feature map without a stabiliser, an encoding acting on the features alone); its
+    logits equal the general path's, step by step, on a left-padded batch, for every encoding, feature map and
+    normalisation, and a layer that cannot take it says so (SPE, FastRPB, the stabilised exponential maps)."""
+    from lrpe_hf.modeling.linear_attention import LinearAttention
+    from lrpe_hf.modeling.transformer_stack import LinearTransformerStack
+
+    model = model_with(encoding, **fields)
+    ids, mask = left_padded_batch(3, 5, 8)
+    short_steps = []
+    step = LinearAttention.decoding_step
+    monkeypatch.setattr(LinearAttention, "decoding_step", lambda *a: short_steps.append(1) or step(*a))
+    options = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, output_logits=True)
+    short = model.generate(ids, return_dict_in_generate=True, **options)
+    monkeypatch.setattr(LinearTransformerStack, "is_short_step", lambda *a: False)
+    general = model.generate(ids, return_dict_in_generate=True, **options)
+    stabilised = fields.get("feature_map") in ("exp", "performer")
+    can = encoding not in ("spe_sine", "spe_conv", "fastrpb") and not stabilised
+    assert model.model.stack.layers[0].self_attn.takes_short_steps == can
+    assert len(short_steps) == (5 * model.config.num_hidden_layers if can else 0)  # every step after the first
+    assert torch.equal(short.sequences, general.sequences)
+    for short_logits, general_logits in zip(short.logits, general.logits):
+        torch.testing.assert_close(short_logits, general_logits, rtol=1e-5, atol=1e-6)

@@ -28,9 +28,11 @@ from .attention_state import TensorState
 from .context_parallel import active_group, bidirectional_product, causal_product
 from .feature_maps import FEW_ELEMENTS, FeatureMap, Features
 from .gradients import wants_gradient
+from .positional_encoding import PositionalEncoding
 from .positions import document_count
 from .products_chunked import causal_key_sums
 from .products_dispatch import kernel_backend_serves
+from .products_gated import recurrent_step
 from .products_shared import divide_rows, row_dot
 from .registry import build_feature_map
 
@@ -226,6 +228,43 @@ class KernelAttention(nn.Module):
             and not torch.compiler.is_compiling()
             and not wants_gradient(q, k)
         )
+
+    def takes_short_steps(self, encoding) -> bool:
+        """Whether a decoding step of this path with ``encoding`` can take ``decoding_step``: causal, a feature map
+        without a stabiliser (the base ``features``), an encoding that acts on the features alone (no
+        ``encode_query_key``, no value bias), and the products' default backends (a named other backend keeps its
+        own one-step kernel)."""
+        return (
+            self.causal
+            and type(self.feature_map).features is FeatureMap.features
+            and type(encoding).encode_query_key is PositionalEncoding.encode_query_key
+            and not encoding.has_value_bias
+            and self.kernel_backend in ("auto", "torch")
+        )
+
+    def decoding_step(self, q, k, v, positions, encoding, state):
+        """One token after a cache, as a model's common decoding call makes it (the positions the defaults, one
+        past each row's last real token, no mask, no gradient): the features and the encoding stacked, then the
+        recurrent update in place and the readout, S = exp(log_decay) S + phi(k)^T [v, 1], out = phi(q) S divided
+        by its last column (the unrotated denominator from its own key sums; the output norms as ``normalized``).
+        q, k (B, H, 1, D), v (B, H, 1, d), positions (B, 1, 1), ``state`` this path's ``KernelAttentionState`` (made
+        by the prompt) -> out (B, H, 1, d)."""
+        features, (tq, tk) = self.stacked_features(q, k, None, positions, encoding)
+        log_decay = encoding.log_decay
+        dtype = torch.promote_types(q.dtype, torch.float32)
+        gates = None if log_decay is None else log_decay.to(dtype)[None, :, None].expand(q.shape[0], -1, 1)
+        with_denominator = self.normalization == "denominator"
+        numerator, kv = recurrent_step(tq, tk, v, gates, state.kv, None, True, with_denominator)
+        state.store("kv", kv)
+        if with_denominator:
+            out, denominator = numerator.split([v.shape[-1], 1], dim=-1)
+            return divide_rows(out, denominator, self.eps)[0]
+        if self.normalization == "unrotated_denominator":
+            ones = features.key.new_ones(*features.key.shape[:-1], 1)
+            denominator, key_sum = recurrent_step(features.query, features.key, ones, gates, state.key_sum, None, True)
+            state.store("key_sum", key_sum)
+            return divide_rows(numerator, denominator, self.eps)[0]
+        return self.normalized(numerator, None, None)
 
     def stacked_features(self, q, k, mask, positions, encoding):
         """``Features`` of q and k (B, H, N, D) and their encoded forms, the two stacked along the heads

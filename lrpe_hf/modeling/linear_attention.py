@@ -93,6 +93,8 @@ class LinearAttention(nn.Module):
             )
         self.standalone = standalone
         self.shared_codes = build_shared_codes(o, num_heads, self.head_dim) if standalone else None
+        takes_short_steps = getattr(self.attention, "takes_short_steps", None)
+        self.takes_short_steps = bool(takes_short_steps and takes_short_steps(self.positional_encoding))
 
     @property
     def feature_map(self):
@@ -157,6 +159,15 @@ class LinearAttention(nn.Module):
         if inputs.counted_state is not None and inputs.count_tokens:
             inputs.counted_state.count(inputs.positions, mask, inputs.documents)
         return out
+
+    def decoding_step(self, hidden_states, state, positions):
+        """``forward`` for a model's common decoding call (``takes_short_steps``; one token after a cache, default
+        positions, no mask, no gradient, no hooks on this layer): the projections, the path's ``decoding_step`` on the
+        state the prompt made, the output projection. hidden_states (B, 1, hidden), positions (B, 1, 1) ->
+        (B, 1, hidden)."""
+        q, k, v = self.heads(hidden_states, None)
+        out = self.attention.decoding_step(q, k, v, positions, self.positional_encoding, state.path)
+        return self.o_proj(out.transpose(1, 2).reshape(hidden_states.shape))
 
     def own_draw(self, num_tokens: int, unpadded: bool, default_positions: bool, device):
         """A standalone layer's draw of its shared codes (SPE), told where its positions are the defaults from 0."""

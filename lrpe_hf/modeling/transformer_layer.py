@@ -133,6 +133,27 @@ class LinearTransformerLayer(GradientCheckpointingLayer):
         hidden_states = self.self_attn_layer_norm(hidden_states + self.dropout(self.self_attn(hidden_states, **attend)))
         return self.final_layer_norm(hidden_states + self.dropout(self.mlp(hidden_states)))
 
+    def takes_short_steps(self) -> bool:
+        """Whether the stack may call ``decoding_step`` for a common decoding step: where the attention can
+        (``LinearAttention.takes_short_steps``) and no hook on this layer or its attention would be passed by."""
+        attention = self.self_attn
+        hooked = self._forward_hooks or self._forward_pre_hooks or attention._forward_hooks
+        return attention.takes_short_steps and not (hooked or attention._forward_pre_hooks)
+
+    def decoding_step(self, hidden_states, state, positions):
+        """``forward`` for a model's common decoding call (see ``LinearAttention.decoding_step``; eval mode, so no
+        dropout): hidden_states (B, 1, hidden), the layer's ``LinearAttentionState``, positions (B, 1, 1)."""
+        attention = self.self_attn
+        if self.pre_norm:
+            hidden_states = hidden_states + attention.decoding_step(
+                self.self_attn_layer_norm(hidden_states), state, positions
+            )
+            return hidden_states + self.mlp(self.final_layer_norm(hidden_states))
+        hidden_states = self.self_attn_layer_norm(
+            hidden_states + attention.decoding_step(hidden_states, state, positions)
+        )
+        return self.final_layer_norm(hidden_states + self.mlp(hidden_states))
+
     def attention_weights(self, hidden_states, attention_mask=None, position_ids=None, shared_draw=None):
         """(B, H, N, N) the weights the layer's attention gives each key for each query, on the layer's input
         (``LinearAttention.attention_weights``; O(N^2), for ``output_attentions``)."""

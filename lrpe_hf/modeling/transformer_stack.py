@@ -7,6 +7,7 @@ runs, so that gradient checkpointing replays the same features). The attention o
 
 from dataclasses import replace
 
+import torch
 from torch import nn
 from transformers import PreTrainedModel
 from transformers import initialization as init
@@ -64,12 +65,16 @@ class LinearTransformerStack(nn.Module):
         call = LayerCall(documents, consecutive, counters, False, softmax_implementation)
         all_hidden_states = [] if output_hidden_states else None
         all_attentions = [] if output_attentions else None
+        short_steps = self.is_short_step(hidden_states, attention_mask, cache, given_positions, output_attentions)
         for index, layer in enumerate(self.layers):
             if output_hidden_states:
                 all_hidden_states.append(hidden_states)
             if output_attentions:
                 all_attentions.append(layer.attention_weights(hidden_states, attention_mask, position_ids, shared_draw))
             state = cache.states[index] if cache is not None else None
+            if short_steps and layer.takes_short_steps():
+                hidden_states = layer.decoding_step(hidden_states, state, positions)
+                continue
             hidden_states = layer(
                 hidden_states,
                 *shared_tables,
@@ -85,6 +90,25 @@ class LinearTransformerStack(nn.Module):
                 raise ValueError("A recurrent cache continues 1D positions: position_ids of shape (batch, tokens)")
             cache.count(positions.long(), attention_mask, documents[1])
         return hidden_states, all_hidden_states, all_attentions
+
+    def is_short_step(self, hidden_states, attention_mask, cache, given_positions: bool, output_attentions) -> bool:
+        """Whether this call is the common decoding step, decided once for every layer: one token after a cache that
+        has seen tokens, at the default positions, without a mask (``generate``'s steps), attention weights, gradient,
+        training, compiling, context parallelism or global module hooks. Its layers then take their short step where
+        they can (``LinearTransformerLayer.takes_short_steps``); the others their forward."""
+        return (
+            cache is not None
+            and hidden_states.shape[1] == 1
+            and attention_mask is None
+            and not given_positions
+            and not output_attentions
+            and not self.training
+            and not torch.is_grad_enabled()
+            and not torch.compiler.is_compiling()
+            and cache.has_seen_tokens
+            and active_group() is None
+            and not (nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks)
+        )
 
     def draw_shared_codes(self, positions, cache, given_positions: bool, consecutive: bool, device):
         """This forward's draw of the codes every layer shares (SPE), prepared for positions (B, N, A), or None."""
