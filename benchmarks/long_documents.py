@@ -11,8 +11,8 @@ topic; 11 topics; 120 training and 66 validation documents of 1k, 2k, 4k and 8k 
 
 Students (one per encoding and seed): ``linearize(teacher, feature_map="hedgehog", positional_encoding=E,
 absolute_position_embedding="none")``, then ``--transfer_steps`` of attention transfer and ``--distill_steps`` of
-hidden-state distillation (``lrpe_hf.training.distillation``) on 512-token blocks of the Wikipedia leads: lengths the
-teacher sees. No task data reaches a student before its probe.
+hidden-state distillation (``lrpe_hf.training.distillation``) on 512-token blocks of the Wikipedia leads (or of
+``--distillation_file``): lengths the teacher sees. No task data reaches a student before its probe.
 
 Every method gives a document one vector; the same probe reads it (the encoder stays frozen: a standardised
 multinomial logistic regression whose L2 strength is chosen by 4-fold cross-validation on the training documents,
@@ -166,12 +166,12 @@ def make_student(teacher, tokenizer, encoding: str, seed: int, args, folder: Pat
     return student.eval(), losses
 
 
-def tweet_vectors(model, tokenizer, train_rows: int) -> dict:
-    """Mean-pooled vectors and labels of tweet sentiment: ``train_rows`` training tweets and the 2,000 validation
-    tweets, 64 tokens at most."""
+def tweet_vectors(model, tokenizer, train_rows: int, validation_rows: int = 2000) -> dict:
+    """Mean-pooled vectors and labels of tweet sentiment: ``train_rows`` training tweets and ``validation_rows``
+    validation tweets (all 2,000 by default), 64 tokens at most."""
     data = ROOT / "data" / "tweet_sentiment"
     result = {}
-    for split, rows in (("train", train_rows), ("validation", 2000)):
+    for split, rows in (("train", train_rows), ("validation", validation_rows)):
         with open(data / f"{split}.csv", newline="") as f:
             table = list(csv.DictReader(f))[:rows]
         pieces = [tokenizer(r["sentence"], add_special_tokens=False)["input_ids"][:62] for r in table]
@@ -258,6 +258,13 @@ def main():
     parser.add_argument("--cost_lengths", default="512,1024,2048,4096,8192")
     parser.add_argument("--short_text_rows", type=int, default=3000, help="training tweets of the short-text probe")
     parser.add_argument(
+        "--short_text_validation_rows", type=int, default=2000, help="the first N validation tweets it is scored on"
+    )
+    parser.add_argument(
+        "--distillation_file", type=Path, default=LEADS / "train.txt",
+        help="the students' distillation text, a passage a line (default: the Wikipedia leads' training split)",
+    )  # fmt: skip
+    parser.add_argument(
         "--students_only", action="store_true", help="make the students and their vectors (kept), no report"
     )
     args = parser.parse_args()
@@ -285,13 +292,15 @@ def main():
             vectors[method, task, split] = torch.stack([v[method] for v in per_doc]).numpy()
 
     rows, short_text, losses = [], [], {}
-    rows_tag = f"tweets{args.short_text_rows}"
+    tweet_rows = (args.short_text_rows, args.short_text_validation_rows)
+    rows_tag = f"tweets{tweet_rows[0]}" + (f"-validation{tweet_rows[1]}" if tweet_rows[1] != 2000 else "")
     teacher_tweets = embedded(
-        out / "vectors" / f"teacher-{rows_tag}.pt", lambda: tweet_vectors(teacher, tokenizer, args.short_text_rows)
+        out / "vectors" / f"teacher-{rows_tag}.pt", lambda: tweet_vectors(teacher, tokenizer, *tweet_rows)
     )
+    texts = args.distillation_file.read_text(encoding="utf-8").splitlines()
     for encoding, seed in runs:
         student, losses[encoding, seed] = make_student(
-            teacher, tokenizer, encoding, seed, args, out / "students" / f"{encoding}-seed{seed}"
+            teacher, tokenizer, encoding, seed, args, out / "students" / f"{encoding}-seed{seed}", texts=texts
         )
         random_model = lrpe_hf.LinearRobertaModel(student.config).eval()
         for name, model in ((f"student {encoding}", student), (f"random {encoding}", random_model)):
@@ -310,7 +319,7 @@ def main():
                 ).numpy()
         student_tweets = embedded(
             out / "vectors" / f"student-{encoding}-seed{seed}-{rows_tag}.pt",
-            lambda student=student: tweet_vectors(student, tokenizer, args.short_text_rows),
+            lambda student=student: tweet_vectors(student, tokenizer, *tweet_rows),
         )
         short_text.append(
             dict(seed=seed, encoding=encoding, teacher=short_text_accuracy(teacher_tweets, seed),

@@ -179,7 +179,8 @@ def test_long_documents_benchmark_compares_students_with_the_teachers_workaround
     command = [sys.executable, str(BENCHMARKS / "long_documents.py"), "--teacher", str(tmp_path / "teacher")]
     command += ["--output_dir", str(tmp_path / "out"), "--encodings", "rope,permute", "--seeds", "0,1"]
     command += ["--seeds_of", "permute=2", "--transfer_steps", "1", "--distill_steps", "1", "--batch_size", "1"]
-    command += ["--documents", "16", "--short_text_rows", "64", "--cost_lengths", "512,1024"]
+    command += ["--documents", "11", "--short_text_rows", "64", "--cost_lengths", "512,1024"]  # 11: an 8k one
+    command += ["--short_text_validation_rows", "64", "--distillation_file", str(workspace / "train.txt")]
     result = subprocess.run(command, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     out = tmp_path / "out"
