@@ -599,3 +599,23 @@ def test_a_decoding_step_takes_its_short_path_where_it_can_and_equals_the_genera
     assert torch.equal(short.sequences, general.sequences)
     for short_logits, general_logits in zip(short.logits, general.logits):
         torch.testing.assert_close(short_logits, general_logits, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("encoding", ["none", "rope", "permute"])
+def test_a_short_decoding_step_keeps_a_float32_state_beside_bfloat16_features(encoding):
+    """fla's kernels leave a prompt's state in float32 beside a bfloat16 model: the short step updates it in float32
+    (it stays float32) and decodes what the float32 model decodes, to bfloat16's precision."""
+    model = model_with(encoding)
+    ids = prompt(batch=2, tokens=8)
+    with torch.no_grad():
+        reference = model(torch.cat([ids, ids[:, :1]], dim=1)).logits[:, -1]
+        model.to(torch.bfloat16)
+        cache = LinearAttentionCache(model.config.num_hidden_layers)
+        model(ids, use_cache=True, **{CACHE_OUTPUT_FIELD: cache})
+        for state in cache.states:  # as fla's prompt leaves them
+            state.path.kv = state.path.kv.float()
+            if state.path.key_sum is not None:
+                state.path.key_sum = state.path.key_sum.float()
+        logits = model(ids[:, :1], use_cache=True, **{CACHE_OUTPUT_FIELD: cache}).logits[:, -1]
+    assert all(state.path.kv.dtype == torch.float32 for state in cache.states)
+    torch.testing.assert_close(logits.float(), reference, rtol=0.05, atol=0.05)
