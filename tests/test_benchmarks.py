@@ -468,17 +468,18 @@ def write_documentation(root, task, documents):
 @pytest.fixture
 def kernel_corpus(workspace, tmp_path):
     """(a tiny Documentation/ folder, its task's split files, a tiny teacher): two subsystems whose documents differ
-    in their words, each document over 512 tokens (several windows)."""
+    in their words, each document over 512 tokens (two windows, the second shorter), four training documents of
+    each (the probe's four folds), three to validate."""
     save_tiny_bert(workspace, tmp_path / "teacher", max_position_embeddings=520)
     leads = (ROOT / "data/wikipedia_leads/train.txt").read_text(encoding="utf-8").splitlines()
     words = {"net": " ".join(leads[:40]).split(), "fs": " ".join(leads[40:80]).split()}
 
     def document(label, index):
-        return " ".join(words[label][index * 50 : index * 50 + 600])
+        return " ".join(words[label][index * 50 : index * 50 + 300])  # 300 words: about 850 tokens
 
     root, task = tmp_path / "Documentation", tmp_path / "task"
     task.mkdir()
-    splits = {"train": range(8), "validation": range(8, 11), "distillation": range(11, 12)}
+    splits = {"train": range(4), "validation": range(8, 11), "distillation": range(11, 12)}
     write_documentation(root, task, {
         split: [(f"{label}/doc{i}.rst.gz", label, document(label, i)) for label in words for i in indices]
         for split, indices in splits.items()
