@@ -31,7 +31,8 @@ parts (a result does not depend on the tiling); ``--full-autotune`` keeps fla's 
 1. ``benchmarks/benchmark_attention.py`` (bf16, causal, 4k/16k/32k, none, rope, lrpe_orthogonal, permute, fastrpb,
    spe_sine): each layer against its projections, fla's kernel alone and SDPA's softmax layer.
 2. ``benchmarks/benchmark_models.py`` (bf16): LinearGPT against GPT-2 (SDPA), training at 2k/8k/32k (GPT-2 up
-   to 8k), decoding at 256, 4k and 64k context, eager and as CUDA graphs, peak memory.
+   to 8k), decoding at 256, 4k and 64k context, eager and as CUDA graphs, peak memory; at the benchmark's size
+   (6 x 512) unless ``--models-size`` gives another.
 3. ``train_steps.csv``: a LinearGPT train step (2 x 256, 4 heads, 1,024 tokens, batch 2) for every encoding, and
    the exp, relu and hedgehog maps once each, in fp32 (torch's default precision: fla's kernels then do not run, as
    they would multiply in TF32), in fp32 with TF32 allowed (``torch.set_float32_matmul_precision("high")``, both
@@ -524,11 +525,20 @@ def autotune_candidates(name: str, full_autotune: bool) -> int | None:
     return 4 if name in SPEED_PARTS else 1
 
 
+def models_size_item(item: str) -> tuple[str, int]:
+    """One ``--models-size`` item, checked as ``benchmark_models.py --size`` checks it."""
+    from benchmark_models import size_item
+
+    return size_item(item)
+
+
 def run_child(name: str, args) -> None:
     """One part, in this (child) process: its rows go to args.out, its output to the parent's log of it (with the
     Python stack of a crash: the first H100 run's compiled decoding died of a segmentation fault, unlocated)."""
     faulthandler.enable()
     s = sizes(args.dry_run)
+    if args.models_size:
+        s["models"] = [*s["models"], "--size", *(f"{key}={n}" for key, n in args.models_size)]
     candidates = autotune_candidates(name, args.full_autotune)
     if candidates is not None and s["device"] == "cuda":
         limit_autotuning(candidates)
@@ -539,6 +549,7 @@ def run_part(name: str, args, s: dict) -> str:
     """Run part ``name`` in a child process under its time limit; return its status."""
     command = [sys.executable, __file__, "--child", name, "--out", str(args.out)]
     command += ["--dry-run"] * args.dry_run + ["--full-autotune"] * args.full_autotune
+    command += ["--models-size", *(f"{key}={n}" for key, n in args.models_size)] * bool(args.models_size)
     log = args.out / f"{name}.log"
     with open(log, "w") as output:
         try:
@@ -577,6 +588,11 @@ def main():
     parser.add_argument("--dry-run", action="store_true", help="the rehearsal: CPU, tiny sizes, seconds")
     parser.add_argument("--parts", nargs="+", choices=list(PARTS), default=list(PARTS))
     parser.add_argument("--full-autotune", action="store_true", help="let fla's kernels try all their configurations")
+    parser.add_argument(
+        "--models-size", nargs="+", type=models_size_item, default=[], metavar="KEY=N",
+        help="the models part's size, as benchmark_models.py --size takes it (default: the benchmark's, 6 x 512); "
+        "layers=1 hidden=32 heads=2 ffn=64 vocab=256 rehearses that part in seconds",
+    )  # fmt: skip
     parser.add_argument(
         "--commit", default=os.environ.get("GPU_CHECK_COMMIT"),
         help="where the machine's copy of the tree has no git history: the commit it is a copy of",
