@@ -49,12 +49,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from linearization_quality import fetch_teacher
 from measure import high_water_mark_mb, resident_mb, round_rows, sample_alternately, write_csv, write_provenance
-from sklearn.linear_model import LogisticRegressionCV
-from sklearn.model_selection import KFold, StratifiedKFold
-from sklearn.pipeline import make_pipeline
-from sklearn.preprocessing import StandardScaler
 from transformers import AutoModel, AutoTokenizer, set_seed
 
 import lrpe_hf
@@ -133,6 +128,13 @@ def embedded(path: Path, compute) -> dict:
 def probe_predictions(train_x, train_y, test_x, seed: int) -> np.ndarray:
     """The label of each test document by the probe fitted on the training documents: standardised features,
     multinomial logistic regression, L2 strength by 4-fold cross-validation."""
+    # imported here, as the teacher's fetching in prepared_run: a cost's spawned child, which imports this file,
+    # needs neither (seconds a child)
+    from sklearn.linear_model import LogisticRegressionCV
+    from sklearn.model_selection import KFold, StratifiedKFold
+    from sklearn.pipeline import make_pipeline
+    from sklearn.preprocessing import StandardScaler
+
     smallest_class = min(collections.Counter(train_y).values())
     splitter = StratifiedKFold if smallest_class >= 4 else KFold  # tiny sets (tests): plain folds
     folds = splitter(n_splits=4, shuffle=True, random_state=seed)
@@ -239,6 +241,8 @@ def add_student_arguments(parser):
 def prepared_run(args):
     """(the output folder, made; the teacher's folder, its tokenizer and the teacher in eval mode), torch's threads
     set from ``args``."""
+    from linearization_quality import fetch_teacher  # see probe_predictions
+
     if args.threads:
         torch.set_num_threads(args.threads)
     out = Path(args.output_dir)
