@@ -93,9 +93,10 @@ class LinearTransformerStack(nn.Module):
 
     def is_short_step(self, hidden_states, attention_mask, cache, given_positions: bool, output_attentions) -> bool:
         """Whether this call is the common decoding step, decided once for every layer: one token after a cache that
-        has seen tokens, at the default positions, without a mask (``generate``'s steps), attention weights, gradient,
-        training, compiling, context parallelism or global module hooks. Its layers then take their short step where
-        they can (``LinearTransformerLayer.takes_short_steps``); the others their forward."""
+        has seen a call, at the default positions, without a mask (``generate``'s steps), attention weights,
+        gradient, training, context parallelism or global module hooks (compiled too: its graph is then the short
+        step's). Its layers then take their short step where they can (``LinearTransformerLayer.takes_short_steps``);
+        the others their forward."""
         return (
             cache is not None
             and hidden_states.shape[1] == 1
@@ -104,8 +105,7 @@ class LinearTransformerStack(nn.Module):
             and not output_attentions
             and not self.training
             and not torch.is_grad_enabled()
-            and not torch.compiler.is_compiling()
-            and cache.has_seen_tokens
+            and cache.is_initialized
             and active_group() is None
             and not (nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks)
         )
