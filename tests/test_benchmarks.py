@@ -545,14 +545,16 @@ def test_natural_documents_summary_says_when_a_comparison_has_no_interval():
 
 
 def test_natural_documents_fine_tuned_trains_every_method_and_resumes(kernel_corpus, tmp_path):
-    """Each teacher method and a student fine-tuned at two seeds (the defaults but one epoch), every validation
-    document's prediction kept and compared as the probe's are, tf-idf among them; a rerun into the same folder
-    trains nothing again, and its record keeps the first invocation's entry; one with other settings is refused."""
+    """Each teacher method and a student fine-tuned at two seeds (the defaults but one epoch of 4 documents a step:
+    two steps, one of them past the warm-up's), every validation document's prediction kept and compared as the
+    probe's are, tf-idf among them; a rerun into the same folder trains nothing again, and its record keeps the first
+    invocation's entry; one with other settings is refused."""
     root, task, teacher = kernel_corpus
     command = [sys.executable, str(BENCHMARKS / "natural_documents_fine_tuned.py"), "--teacher", str(teacher)]
     command += ["--documentation", str(root), "--task_dir", str(task), "--output_dir", str(tmp_path / "out")]
     command += ["--students_dir", str(tmp_path / "students"), "--encodings", "rope", "--seeds", "0,1"]
-    command += ["--epochs", "1", "--transfer_steps", "1", "--distill_steps", "1", "--batch_size", "1"]
+    command += ["--epochs", "1", "--accumulation", "4", "--transfer_steps", "1", "--distill_steps", "1"]
+    command += ["--batch_size", "1"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     out = tmp_path / "out"
