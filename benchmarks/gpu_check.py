@@ -42,11 +42,13 @@ parts (a result does not depend on the tiling); ``--full-autotune`` keeps fla's 
    error, finiteness, and how many causal products went to fla's kernels (``fla_calls``: 0 means the torch path
    ran, as it does for gated backward passes on Hopper with Triton < 3.7.1).
 4. ``families.csv``: LinearRoberta and LinearViT forward+backward under bf16 autocast, finite.
-5. ``decoding.csv``: 64 greedy tokens from ``generate`` eager and with the forward compiled
-   (``mode="reduce-overhead"``, CUDA graphs on a GPU): the same tokens, the largest logit difference, the graphs
-   and recompilations dynamo counted, and ms per token of each (after a warm-up call). The cache is not
-   compileable (``LinearAttentionCache.is_compileable`` is False), so transformers' own compiled decoding does not
-   apply; this is the compiled path a user takes.
+5. ``decoding.csv``: 64 greedy tokens from ``generate`` eager, with the forward compiled by the user
+   (``compiled_by="user"``: ``torch.compile(model.forward, mode="reduce-overhead")``, CUDA graphs on a GPU), and
+   compiled by ``generate`` itself (``compiled_by="generate"``: ``compile_config=CompileConfig()``, transformers'
+   default ``mode="reduce-overhead"``, the opt-in the models' default waits on): the same tokens, the largest logit
+   difference, the graphs, recompilations, graph breaks and CUDA-graph skips dynamo and inductor counted, and ms per
+   token of each (after a warm-up call). Where ``compiled_by="generate"`` runs without a crash or a CUDA-graph skip
+   and is faster than eager, its default can be turned on.
 6. ``pytest -m gpu``: the GPU tests (tests/test_properties.py, tests/test_triton_adapter.py).
 
 A benchmark stopped before its end (a crash, its time limit) leaves the rows it printed in
@@ -223,52 +225,59 @@ def part_families(out: Path, s: dict):
 
 def part_decoding(out: Path, s: dict):
     from torch._dynamo.utils import counters
+    from transformers import CompileConfig
 
     device, rows = s["device"], []
     for encoding in s["decoding"]:
         model = gpt(encoding, None, "auto", s, device).eval()
         prompt = torch.randint(3, 512, (1, 32), generator=torch.Generator().manual_seed(1)).to(device)
 
-        def generate(model=model, prompt=prompt):
+        def generate(model=model, prompt=prompt, **options):
             out = model.generate(
                 prompt, max_new_tokens=s["new_tokens"], do_sample=False, return_dict_in_generate=True,
-                output_logits=True,
+                output_logits=True, **options,
             )  # fmt: skip
             return out.sequences, torch.stack(out.logits).float()
 
-        def timed():
+        def timed(**options):
             if device == "cuda":
                 torch.cuda.synchronize()
             start = time.perf_counter()
-            result = generate()
+            result = generate(**options)
             if device == "cuda":
                 torch.cuda.synchronize()
             return result, 1000 * (time.perf_counter() - start) / s["new_tokens"]
 
         generate()  # warm-up
         (eager_tokens, eager_logits), eager_ms = timed()
-        torch._dynamo.reset()
-        counters.clear()
         eager_forward = model.forward
-        model.forward = torch.compile(eager_forward, mode="reduce-overhead")
-        generate()  # compiles, records the graphs
-        graphs_before = counters["stats"]["unique_graphs"]
-        (tokens, logits), compiled_ms = timed()
-        model.forward = eager_forward
-        rows.append(
-            dict(
-                encoding=encoding, same_tokens=bool(torch.equal(tokens, eager_tokens)),
-                largest_logit_difference=(logits - eager_logits).abs().max().item(),
-                unique_graphs=counters["stats"]["unique_graphs"],
-                graphs_in_timed_call=counters["stats"]["unique_graphs"] - graphs_before,
-                recompilations=sum(counters["recompiles"].values()),
-                graph_breaks=sum(counters["graph_break"].values()),
-                cudagraph_skips=counters["inductor"]["cudagraph_skips"], eager_ms_per_token=eager_ms,
-                compiled_ms_per_token=compiled_ms,
-            )
-        )  # fmt: skip
-        print(rows[-1], flush=True)
-        write_csv(out / "decoding.csv", rows)
+        for compiled_by in ("user", "generate"):
+            torch._dynamo.reset()
+            counters.clear()
+            options = {}
+            if compiled_by == "user":
+                model.forward = torch.compile(eager_forward, mode="reduce-overhead")
+            else:
+                options["compile_config"] = CompileConfig()
+                options["compile_config"]._compile_all_devices = device != "cuda"  # the CPU rehearsal compiles too
+            generate(**options)  # compiles, records the graphs
+            graphs_before = counters["stats"]["unique_graphs"]
+            (tokens, logits), compiled_ms = timed(**options)
+            model.forward = eager_forward
+            rows.append(
+                dict(
+                    encoding=encoding, compiled_by=compiled_by, same_tokens=bool(torch.equal(tokens, eager_tokens)),
+                    largest_logit_difference=(logits - eager_logits).abs().max().item(),
+                    unique_graphs=counters["stats"]["unique_graphs"],
+                    graphs_in_timed_call=counters["stats"]["unique_graphs"] - graphs_before,
+                    recompilations=sum(counters["recompiles"].values()),
+                    graph_breaks=sum(counters["graph_break"].values()),
+                    cudagraph_skips=counters["inductor"]["cudagraph_skips"], eager_ms_per_token=eager_ms,
+                    compiled_ms_per_token=compiled_ms,
+                )
+            )  # fmt: skip
+            print(rows[-1], flush=True)
+            write_csv(out / "decoding.csv", rows)
 
 
 # fla's chunk_simple_gla alone, bf16, forward and backward, at the widths our layers hand it: (key width, value width):
