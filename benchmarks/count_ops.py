@@ -166,7 +166,8 @@ def counted_ops(events) -> list[tuple[str, int, bool]]:
         if name.startswith(STAND_IN_PREFIX):  # a stood-in fla kernel: its launches, not the reference's ops
             _, launches, kernel = name.split(":")
             return [(f"fla::{kernel}", int(launches), True)]
-        in_product = in_product or name.endswith(": causal_linear_attention")
+        # the product: the entry of every causal product, or a short decoding step's recurrent update and readout
+        in_product = in_product or name.endswith((": causal_linear_attention", ": recurrent_step"))
         in_product = in_product or any(name.endswith(f"{function}Backward") for function in PRODUCT_FUNCTIONS)
         if name.startswith("aten::"):
             how = computes(name)
