@@ -5,6 +5,7 @@ products. Values derived from an input that every layer of a forward pass receiv
 rotations of the positions, the positions in turns. On a GPU each one made afresh is a kernel launch per call (or a
 host read)."""
 
+import operator
 import weakref
 
 import torch
@@ -41,8 +42,8 @@ class KeptUntilChanged:
         self.sources, self.versions, self.values = (), (), {}
 
     def get(self, sources: tuple, derive, key=None):
-        versions = tuple(version_of(source) for source in sources)
-        same = len(sources) == len(self.sources) and all(a is b for a, b in zip(sources, self.sources))
+        versions = tuple(map(version_of, sources))
+        same = len(sources) == len(self.sources) and all(map(operator.is_, sources, self.sources))
         if not same or None in versions or versions != self.versions:
             self.sources, self.versions, self.values = sources, versions, {}
         if key not in self.values:

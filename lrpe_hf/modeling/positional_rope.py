@@ -4,6 +4,7 @@ Feature pairs (2i, 2i+1) are rotated by the angle s * theta_i with theta_i = bas
 half of the pairs follows the row and the second half the column, each half with its own frequency ladder.
 """
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -53,7 +54,8 @@ def as_pairs(x: torch.Tensor, num_pairs: int) -> torch.Tensor:
 
 def viewable_as_complex(pairs: torch.Tensor) -> bool:
     """Whether ``torch.view_as_complex`` accepts ``pairs`` (..., 2) as it is."""
-    return pairs.stride(-1) == 1 and pairs.storage_offset() % 2 == 0 and all(s % 2 == 0 for s in pairs.stride()[:-1])
+    # every other stride even: their greatest common divisor is (gcd() of none is 0)
+    return pairs.stride(-1) == 1 and pairs.storage_offset() % 2 == 0 and math.gcd(*pairs.stride()[:-1]) % 2 == 0
 
 
 def multiply_pairs(x: torch.Tensor, factor: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
