@@ -100,6 +100,36 @@ def main(args=None):
 def run(model_args, data_args, training_args, trainer_class=CardTrainer):
     """Fine-tune and evaluate with parsed arguments; ``trainer_class`` builds the trainer (as ``CardTrainer``)."""
 
+    dataset = load_splits(data_args)
+    key1, key2 = text_columns(data_args, dataset["train"].column_names)
+    check_columns(dataset, [c for c in (key1, key2, data_args.label_column) if c])
+    is_regression, label_names, label_to_id = read_labels(data_args, dataset["train"])
+
+    tokenizer = load_tokenizer(model_args, ["pad_token"], "batching sentences of different lengths")
+    model = build_model(model_args, tokenizer, label_config(label_names, is_regression))
+
+    with training_args.main_process_first(desc="tokenizing"):
+        encoded = encode(dataset, tokenizer, data_args, (key1, key2), label_to_id)
+    train = select_samples(encoded["train"], data_args.max_train_samples)
+    evaluation = select_samples(encoded.get("validation"), data_args.max_eval_samples)
+    check_segment_types([train, evaluation], getattr(model.config, "type_vocab_size", 1), tokenizer)
+
+    compute_metrics = metrics_function(data_args.task_name, is_regression)
+    trainer = trainer_class(
+        model=model,
+        args=training_args,
+        train_dataset=train,
+        eval_dataset=evaluation,
+        data_collator=DataCollatorWithPadding(tokenizer),
+        processing_class=tokenizer,
+        compute_metrics=compute_metrics,
+        card=model_card(data_args),
+    )
+    return train_and_evaluate(trainer)
+
+
+def load_splits(data_args: GlueDataArguments) -> DatasetDict:
+    """The train and validation splits: the GLUE task's (its name lower-cased in ``data_args``) or the files'."""
     if data_args.task_name is not None:
         data_args.task_name = data_args.task_name.lower()
         if data_args.task_name not in TASK_KEYS:
@@ -107,34 +137,40 @@ def run(model_args, data_args, training_args, trainer_class=CardTrainer):
         dataset = load_files_or_hub("nyu-mll/glue", data_args.task_name)
         if data_args.task_name == "mnli":
             dataset["validation"] = dataset["validation_matched"]
-        dataset = DatasetDict({split: dataset[split] for split in ("train", "validation")})  # GLUE tests are unlabelled
-    else:
-        dataset = load_files_or_hub(train_file=data_args.train_file, validation_file=data_args.validation_file)
-    key1, key2 = text_columns(data_args, dataset["train"].column_names)
-    check_columns(dataset, [c for c in (key1, key2, data_args.label_column) if c])
+        return DatasetDict({split: dataset[split] for split in ("train", "validation")})  # GLUE tests are unlabelled
+    return load_files_or_hub(train_file=data_args.train_file, validation_file=data_args.validation_file)
 
-    label_feature = dataset["train"].features[data_args.label_column]
+
+def read_labels(data_args: GlueDataArguments, train) -> tuple[bool, list | None, dict | None]:
+    """Whether the task is a regression, the label names (None for a regression) and the map from the label
+    column's values to class ids (None where the column holds ids already: a ClassLabel, or a regression)."""
+    label_feature = train.features[data_args.label_column]
     is_regression = data_args.task_name == "stsb" or label_feature.dtype in ("float32", "float64")
     if is_regression:
-        label_names, num_labels = None, 1
-    elif hasattr(label_feature, "names"):
-        label_names = label_feature.names
-        num_labels = len(label_names)
-    else:
-        label_names = sorted(set(dataset["train"][data_args.label_column]))
-        num_labels = len(label_names)
-        if num_labels < 2:
-            raise ValueError(f"The label column {data_args.label_column!r} has a single value: nothing to classify")
+        return True, None, None
+    if hasattr(label_feature, "names"):
+        return False, label_feature.names, None
+    label_names = sorted(set(train[data_args.label_column]))
+    if len(label_names) < 2:
+        raise ValueError(f"The label column {data_args.label_column!r} has a single value: nothing to classify")
+    return False, label_names, {n: i for i, n in enumerate(label_names)}
 
-    tokenizer = load_tokenizer(model_args, ["pad_token"], "batching sentences of different lengths")
-    label_fields = {"num_labels": num_labels}
+
+def label_config(label_names: list | None, is_regression: bool) -> dict:
+    """The config fields of the labels: ``num_labels``, and ``id2label``/``label2id`` or ``problem_type``."""
+    fields = {"num_labels": 1 if is_regression else len(label_names)}
     if label_names:
-        label_fields.update(
+        fields.update(
             id2label={i: str(n) for i, n in enumerate(label_names)},
             label2id={str(n): i for i, n in enumerate(label_names)},
         )
     if is_regression:
-        label_fields["problem_type"] = "regression"
+        fields["problem_type"] = "regression"
+    return fields
+
+
+def build_model(model_args, tokenizer, label_fields: dict):
+    """The sequence classifier to fine-tune: the checkpoint's, or a new LinearRoberta; with LoRA where asked."""
     if model_args.model_name_or_path:
         model = AutoModelForSequenceClassification.from_pretrained(
             model_args.model_name_or_path, trust_remote_code=model_args.trust_remote_code, **label_fields
@@ -149,11 +185,12 @@ def run(model_args, data_args, training_args, trainer_class=CardTrainer):
         )
         model = LinearRobertaForSequenceClassification(config)
     check_tokenizer_fits(tokenizer, model)
-    model = apply_lora(model, model_args, "sequence_classification")
+    return apply_lora(model, model_args, "sequence_classification")
 
-    label_to_id = (
-        None if is_regression or hasattr(label_feature, "names") else {n: i for i, n in enumerate(label_names)}
-    )
+
+def encode(dataset, tokenizer, data_args: GlueDataArguments, keys: tuple[str, str | None], label_to_id: dict | None):
+    """``dataset`` tokenized (truncated to ``max_seq_length``), with the labels as class ids (or floats)."""
+    key1, key2 = keys
 
     def preprocess(batch):
         texts = (batch[key1],) if key2 is None else (batch[key1], batch[key2])
@@ -162,35 +199,29 @@ def run(model_args, data_args, training_args, trainer_class=CardTrainer):
         encoded["labels"] = [label_to_id[label] for label in labels] if label_to_id else labels
         return encoded
 
-    with training_args.main_process_first(desc="tokenizing"):
-        encoded = dataset.map(preprocess, batched=True, remove_columns=dataset["train"].column_names, desc="Tokenizing")
-    train = select_samples(encoded["train"], data_args.max_train_samples)
-    evaluation = select_samples(encoded.get("validation"), data_args.max_eval_samples)
-    check_segment_types([train, evaluation], getattr(model.config, "type_vocab_size", 1), tokenizer)
+    return dataset.map(preprocess, batched=True, remove_columns=dataset["train"].column_names, desc="Tokenizing")
 
-    metric = load_glue_metric(data_args.task_name or ("regression" if is_regression else None))
+
+def metrics_function(task_name: str | None, is_regression: bool):
+    """The Trainer's ``compute_metrics``: the GLUE task's metric, Pearson / Spearman for a regression, or accuracy
+    and macro F1."""
+    metric = load_glue_metric(task_name or ("regression" if is_regression else None))
 
     def compute_metrics(prediction):
         logits = prediction.predictions
         predictions = np.squeeze(logits) if is_regression else np.argmax(logits, axis=-1)
         return metric.compute(predictions=predictions, references=prediction.label_ids)
 
+    return compute_metrics
+
+
+def model_card(data_args: GlueDataArguments) -> dict:
+    """The model card's fields: the task, the auto class, the data set and the sequence length."""
     source = f"GLUE {data_args.task_name}" if data_args.task_name else data_args.train_file
-    card = dict(
+    return dict(
         task_description=f"fine-tuned for sequence classification on {source}",
         auto_class="AutoModelForSequenceClassification",
         datasets=["nyu-mll/glue"] if data_args.task_name else [],
         pipeline_tag="text-classification",
         data_description=f"Sequences of at most {data_args.max_seq_length} tokens.",
     )
-    trainer = trainer_class(
-        model=model,
-        args=training_args,
-        train_dataset=train,
-        eval_dataset=evaluation,
-        data_collator=DataCollatorWithPadding(tokenizer),
-        processing_class=tokenizer,
-        compute_metrics=compute_metrics,
-        card=card,
-    )
-    return train_and_evaluate(trainer)
