@@ -69,80 +69,15 @@ def run(model_args, data_args, training_args, trainer_class=CardTrainer):
     # the Trainer would count pixels as tokens (an image model has no tokens to count): the card counts images
     training_args.include_num_input_tokens_seen = "no"
 
-    dataset = load_files_or_hub(data_args.dataset_name, data_args.dataset_config, data_dir=data_args.data_dir)
-    check_columns(dataset, [data_args.image_column, data_args.label_column])
-    if "validation" not in dataset and data_args.validation_split > 0:
-        split = dataset["train"].train_test_split(data_args.validation_split, seed=training_args.seed)
-        dataset["train"], dataset["validation"] = split["train"], split["test"]
-    label_feature = dataset["train"].features[data_args.label_column]
-    if not hasattr(label_feature, "names"):
-        raise ValueError(
-            f"The label column {data_args.label_column!r} must hold class labels (an imagefolder's "
-            "sub-folder names, or a ClassLabel feature)"
-        )
-    labels = label_feature.names
-    label_fields = dict(
-        num_labels=len(labels), id2label=dict(enumerate(labels)), label2id={name: i for i, name in enumerate(labels)}
-    )
-
-    if model_args.model_name_or_path:
-        model = AutoModelForImageClassification.from_pretrained(
-            model_args.model_name_or_path,
-            trust_remote_code=model_args.trust_remote_code,
-            ignore_mismatched_sizes=True,
-            **label_fields,
-        )
-        processor = AutoImageProcessor.from_pretrained(model_args.model_name_or_path)
-    else:
-        config = build_config(
-            model_args,
-            LinearViTConfig,
-            image_size=data_args.image_size,
-            patch_size=data_args.patch_size,
-            num_channels=data_args.num_channels,
-            **label_fields,
-        )
-        model = LinearViTForImageClassification(config)
-        processor = new_image_processor(
-            size={"height": config.image_size, "width": config.image_size},
-            image_mean=[0.5] * config.num_channels,
-            image_std=[0.5] * config.num_channels,
-            do_convert_rgb=config.num_channels == 3,  # called directly (not only here), grey images become RGB
-        )
-    mode = "RGB" if model.config.num_channels == 3 else "L"
-
-    def transform(batch):
-        images = [image.convert(mode) for image in batch[data_args.image_column]]
-        pixels = processor(images, return_tensors="pt", input_data_format="channels_last" if mode == "RGB" else None)
-        return {"pixel_values": pixels["pixel_values"], "labels": batch[data_args.label_column]}
-
-    # imagefolder lists the classes one after another: shuffle before taking a training subset
-    train = select_samples(dataset["train"], data_args.max_train_samples, shuffle_seed=training_args.seed)
-    evaluation = select_samples(dataset.get("validation"), data_args.max_eval_samples)
-    train = train.with_transform(transform)
-    evaluation = evaluation.with_transform(transform) if evaluation is not None else None
-
-    def collate(examples):
-        return {
-            "pixel_values": torch.stack([e["pixel_values"] for e in examples]),
-            "labels": torch.tensor([e["labels"] for e in examples]),
-        }
+    dataset = load_splits(data_args, training_args.seed)
+    model, processor = build_model_and_processor(model_args, data_args, label_config(data_args, dataset["train"]))
+    train, evaluation = transformed_splits(dataset, data_args, processor, model.config.num_channels, training_args.seed)
 
     metric = load_glue_metric(None)
 
     def compute_metrics(prediction):
         return metric.compute(predictions=np.argmax(prediction.predictions, axis=-1), references=prediction.label_ids)
 
-    source = data_args.dataset_name or data_args.data_dir
-    card = dict(
-        task_description=f"trained for image classification on {source}",
-        auto_class="AutoModelForImageClassification",
-        pipeline_tag="image-classification",
-        datasets=[data_args.dataset_name] if data_args.dataset_name else [],
-        data_description=f"{model.config.image_size}x{model.config.image_size} images; top-1 accuracy on the "
-        "validation split.",
-        examples=("images", len(train)),
-    )
     trainer = trainer_class(
         model=model,
         args=training_args,
@@ -151,6 +86,100 @@ def run(model_args, data_args, training_args, trainer_class=CardTrainer):
         data_collator=collate,
         processing_class=processor,
         compute_metrics=compute_metrics,
-        card=card,
+        card=model_card(data_args, model.config.image_size, len(train)),
     )
     return train_and_evaluate(trainer)
+
+
+def load_splits(data_args: ImageDataArguments, seed: int):
+    """The data set with its image and label columns checked, and a validation split (``validation_split`` of the
+    training images, drawn with ``seed``) where it has none."""
+    dataset = load_files_or_hub(data_args.dataset_name, data_args.dataset_config, data_dir=data_args.data_dir)
+    check_columns(dataset, [data_args.image_column, data_args.label_column])
+    if "validation" not in dataset and data_args.validation_split > 0:
+        split = dataset["train"].train_test_split(data_args.validation_split, seed=seed)
+        dataset["train"], dataset["validation"] = split["train"], split["test"]
+    return dataset
+
+
+def label_config(data_args: ImageDataArguments, train) -> dict:
+    """The config fields of the class labels (``num_labels``, ``id2label``, ``label2id``), read from the label
+    column's ClassLabel feature."""
+    label_feature = train.features[data_args.label_column]
+    if not hasattr(label_feature, "names"):
+        raise ValueError(
+            f"The label column {data_args.label_column!r} must hold class labels (an imagefolder's "
+            "sub-folder names, or a ClassLabel feature)"
+        )
+    labels = label_feature.names
+    return dict(
+        num_labels=len(labels), id2label=dict(enumerate(labels)), label2id={name: i for i, name in enumerate(labels)}
+    )
+
+
+def build_model_and_processor(model_args, data_args: ImageDataArguments, label_fields: dict):
+    """The image classifier and its image processor: the checkpoint's (its head resized to the labels), or a new
+    LinearViT of the data arguments' geometry with a ViTImageProcessor."""
+    if model_args.model_name_or_path:
+        model = AutoModelForImageClassification.from_pretrained(
+            model_args.model_name_or_path,
+            trust_remote_code=model_args.trust_remote_code,
+            ignore_mismatched_sizes=True,
+            **label_fields,
+        )
+        return model, AutoImageProcessor.from_pretrained(model_args.model_name_or_path)
+    config = build_config(
+        model_args,
+        LinearViTConfig,
+        image_size=data_args.image_size,
+        patch_size=data_args.patch_size,
+        num_channels=data_args.num_channels,
+        **label_fields,
+    )
+    model = LinearViTForImageClassification(config)
+    processor = new_image_processor(
+        size={"height": config.image_size, "width": config.image_size},
+        image_mean=[0.5] * config.num_channels,
+        image_std=[0.5] * config.num_channels,
+        do_convert_rgb=config.num_channels == 3,  # called directly (not only here), grey images become RGB
+    )
+    return model, processor
+
+
+def transformed_splits(dataset, data_args: ImageDataArguments, processor, num_channels: int, seed: int):
+    """The training and evaluation splits (the evaluation one None where there is none), cut to the sample limits
+    and turning their images into ``pixel_values`` (RGB, or grey for one channel) and ``labels`` as read."""
+    mode = "RGB" if num_channels == 3 else "L"
+
+    def transform(batch):
+        images = [image.convert(mode) for image in batch[data_args.image_column]]
+        pixels = processor(images, return_tensors="pt", input_data_format="channels_last" if mode == "RGB" else None)
+        return {"pixel_values": pixels["pixel_values"], "labels": batch[data_args.label_column]}
+
+    # imagefolder lists the classes one after another: shuffle before taking a training subset
+    train = select_samples(dataset["train"], data_args.max_train_samples, shuffle_seed=seed)
+    evaluation = select_samples(dataset.get("validation"), data_args.max_eval_samples)
+    train = train.with_transform(transform)
+    evaluation = evaluation.with_transform(transform) if evaluation is not None else None
+    return train, evaluation
+
+
+def collate(examples):
+    """A batch of transformed examples: their ``pixel_values`` stacked and their ``labels`` as a tensor."""
+    return {
+        "pixel_values": torch.stack([e["pixel_values"] for e in examples]),
+        "labels": torch.tensor([e["labels"] for e in examples]),
+    }
+
+
+def model_card(data_args: ImageDataArguments, image_size: int, images: int) -> dict:
+    """The model card's fields: the task, the auto class, the data set, the image size and the training images."""
+    source = data_args.dataset_name or data_args.data_dir
+    return dict(
+        task_description=f"trained for image classification on {source}",
+        auto_class="AutoModelForImageClassification",
+        pipeline_tag="image-classification",
+        datasets=[data_args.dataset_name] if data_args.dataset_name else [],
+        data_description=f"{image_size}x{image_size} images; top-1 accuracy on the validation split.",
+        examples=("images", images),
+    )
