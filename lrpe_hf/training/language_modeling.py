@@ -172,6 +172,39 @@ def run(kind: str, model_args, data_args, training_args, trainer_class=CardTrain
         data_args.dataset_name, data_args.dataset_config, data_args.train_file, data_args.validation_file
     )
     check_columns(dataset, [data_args.text_column])
+    tokenizer, model = load_tokenizer_and_model(kind, model_args)
+
+    with training_args.main_process_first(desc="preparing the data"):
+        prepare = group_into_blocks if data_args.document_layout == "concatenated" else one_document_per_example
+        blocks = prepare(dataset, tokenizer, data_args.text_column, data_args.block_size, end_documents=kind == "clm")
+    train = select_samples(blocks["train"], data_args.max_train_samples)
+    evaluation = select_samples(blocks.get("validation"), data_args.max_eval_samples)
+    if len(train) == 0:
+        raise ValueError(f"The training text is shorter than one block of {data_args.block_size} tokens")
+
+    collator = build_collator(kind, data_args.document_layout, tokenizer, data_args.mlm_probability)
+    context_parallel_size = getattr(training_args, "context_parallel_size", 1)
+    if context_parallel_size > 1:
+        trainer_class = context_parallel_trainer(
+            trainer_class, context_parallel_size, kind, data_args.document_layout, tokenizer.pad_token_id
+        )
+    trainer = trainer_class(
+        model=model,
+        args=training_args,
+        train_dataset=train,
+        eval_dataset=evaluation,
+        data_collator=collator,
+        processing_class=tokenizer,
+        card=model_card(spec, data_args),
+    )
+    return train_and_evaluate(trainer, extra_metrics=perplexity)
+
+
+def load_tokenizer_and_model(kind: str, model_args):
+    """The tokenizer (a causal LM's leaving prompts open, its pad token the eos token where it has none) and the
+    model to train: the checkpoint's, or a new one of ``kind``'s family; its embeddings grown to the tokenizer's
+    size where smaller, with LoRA where asked."""
+    spec = KINDS[kind]
     purpose = "masked language modelling" if kind == "mlm" else "causal LM"
     tokenizer = load_tokenizer(model_args, spec["needed"], purpose)
     if kind == "clm":  # prompts stay open: "<s> text", never "<s> text </s>"; the checkpoint saves this layout
@@ -191,40 +224,19 @@ def run(kind: str, model_args, data_args, training_args, trainer_class=CardTrain
         model.resize_token_embeddings(len(tokenizer))
     if kind == "clm" and tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    model = apply_lora(model, model_args, kind)
+    return tokenizer, apply_lora(model, model_args, kind)
 
-    with training_args.main_process_first(desc="preparing the data"):
-        prepare = group_into_blocks if data_args.document_layout == "concatenated" else one_document_per_example
-        blocks = prepare(dataset, tokenizer, data_args.text_column, data_args.block_size, end_documents=kind == "clm")
-    train = select_samples(blocks["train"], data_args.max_train_samples)
-    evaluation = select_samples(blocks.get("validation"), data_args.max_eval_samples)
-    if len(train) == 0:
-        raise ValueError(f"The training text is shorter than one block of {data_args.block_size} tokens")
 
-    collator = build_collator(kind, data_args.document_layout, tokenizer, data_args.mlm_probability)
-    context_parallel_size = getattr(training_args, "context_parallel_size", 1)
-    if context_parallel_size > 1:
-        trainer_class = context_parallel_trainer(
-            trainer_class, context_parallel_size, kind, data_args.document_layout, tokenizer.pad_token_id
-        )
+def model_card(spec: dict, data_args: LanguageModelingDataArguments) -> dict:
+    """The model card's fields: the task, the auto class, the data set and the examples' layout and length."""
     source = data_args.dataset_name or data_args.train_file
-    card = dict(
+    return dict(
         task_description=f"{spec['what']} on {source}",
         auto_class=spec["auto_name"],
         datasets=[data_args.dataset_name] if data_args.dataset_name else [],
         data_description=f"{data_args.document_layout.capitalize()} examples of at most {data_args.block_size} tokens.",
         pipeline_tag=spec["pipeline_tag"],
     )
-    trainer = trainer_class(
-        model=model,
-        args=training_args,
-        train_dataset=train,
-        eval_dataset=evaluation,
-        data_collator=collator,
-        processing_class=tokenizer,
-        card=card,
-    )
-    return train_and_evaluate(trainer, extra_metrics=perplexity)
 
 
 def context_parallel_trainer(trainer_class, size: int, kind: str, layout: str, pad_token_id: int):
