@@ -274,25 +274,7 @@ def roberta_or_bert(source, fields):
     segments = state["embeddings.token_type_embeddings.weight"]
     # one segment type (RoBERTa): its vector is folded into the positions or the words; more (BERT): kept as a table
     segment = segments[0] if segments.shape[0] == 1 else 0
-    config = LinearRobertaConfig(
-        **{
-            "vocab_size": c.vocab_size,
-            "hidden_size": c.hidden_size,
-            "num_hidden_layers": c.num_hidden_layers,
-            "num_attention_heads": c.num_attention_heads,
-            "intermediate_size": c.intermediate_size,
-            "hidden_act": c.hidden_act,
-            "max_position_embeddings": table.shape[0],
-            "layer_norm_eps": c.layer_norm_eps,
-            "hidden_dropout_prob": c.hidden_dropout_prob,
-            "classifier_dropout": getattr(c, "classifier_dropout", None),
-            "initializer_range": c.initializer_range,
-            "absolute_position_embedding": "learned",
-            "type_vocab_size": segments.shape[0],
-            **token_and_label_fields(c),
-            **fields,
-        }
-    )
+    config = roberta_config(c, table.shape[0], segments.shape[0], fields)
     words = state["embeddings.word_embeddings.weight"]
     weights = {}
     if config.absolute_position_embedding == "learned":
@@ -327,6 +309,30 @@ def roberta_or_bert(source, fields):
         layer_norm(weights, f"{t}.final_layer_norm", state, f"{s}.output.LayerNorm")
     heads(weights, base, words)
     return config, strip_base_prefix(weights, source)
+
+
+def roberta_config(c, positions: int, segment_types: int, fields: dict) -> LinearRobertaConfig:
+    """The LinearRoberta config of a RoBERTa or BERT config ``c``: its sizes, a learned table of ``positions`` rows
+    and ``segment_types`` segment types; ``fields`` override any of them."""
+    return LinearRobertaConfig(
+        **{
+            "vocab_size": c.vocab_size,
+            "hidden_size": c.hidden_size,
+            "num_hidden_layers": c.num_hidden_layers,
+            "num_attention_heads": c.num_attention_heads,
+            "intermediate_size": c.intermediate_size,
+            "hidden_act": c.hidden_act,
+            "max_position_embeddings": positions,
+            "layer_norm_eps": c.layer_norm_eps,
+            "hidden_dropout_prob": c.hidden_dropout_prob,
+            "classifier_dropout": getattr(c, "classifier_dropout", None),
+            "initializer_range": c.initializer_range,
+            "absolute_position_embedding": "learned",
+            "type_vocab_size": segment_types,
+            **token_and_label_fields(c),
+            **fields,
+        }
+    )
 
 
 def heads(weights: dict, state: dict, words):
