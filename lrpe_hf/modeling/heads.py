@@ -4,18 +4,20 @@
   model's outputs to the head's own ``head_outputs``.
 - ``PooledSequenceClassification``: the whole forward of a head that classifies one real token per row; LinearGPT
   pools the last real token, LinearRoberta the first (``pooled``), each with its own classifier (``classify``).
+- ``TokenClassification``: the whole forward of a head that classifies every token (``classify``), its loss over
+  the Trainer's ``num_items_in_batch``.
 - ``classification_loss`` and ``head_output``: the loss transformers picks by ``problem_type`` (single-label,
   multi-label or regression) and the output record with the base model's hidden states and attentions, which
   LinearViT's image classification shares.
 """
 
 import torch
-from transformers.modeling_outputs import SequenceClassifierOutput
+from transformers.modeling_outputs import SequenceClassifierOutput, TokenClassifierOutput
 from transformers.utils import can_return_tuple
 
-from .context_parallel import refuse_in_context_parallel
+from .context_parallel import refuse_a_mean_over_one_rank, refuse_in_context_parallel
 from .forward_arguments import check_extra_arguments
-from .label_checks import check_sequence_labels
+from .label_checks import check_sequence_labels, check_token_labels
 from .positions import first_real_tokens, last_real_tokens
 
 
@@ -118,3 +120,30 @@ class PooledSequenceClassification(TextHead):
             pooled = last_real_tokens(attention_mask, input_ids, pad_token_id, batch_size, num_tokens, device)
         logits = self.classify(hidden_states[torch.arange(batch_size, device=device), pooled])
         return head_output(self.output_type, outputs, classification_loss(self, logits, labels), logits=logits)
+
+
+class TokenClassification(TextHead):
+    """Classification of every token: a family gives ``classify``, hidden states (B, N, hidden) -> logits
+    (B, N, num_labels). labels (B, N) class ids, -100 ignored."""
+
+    accepts_loss_kwargs = True  # the loss divides by the Trainer's num_items_in_batch
+    loss_arguments = frozenset({"num_items_in_batch"})
+
+    def classify(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError(f"{type(self).__name__} must say how it classifies its tokens")
+
+    def refuse_split(self, labels, loss_arguments: dict):
+        refuse_a_mean_over_one_rank(labels, loss_arguments.get("num_items_in_batch"), "token classification's loss")
+
+    def head_outputs(self, outputs, labels, input_ids, attention_mask, num_items_in_batch=None):
+        """The loss is the labels' mean, or their sum over ``num_items_in_batch`` (a keyword argument: the labelled
+        tokens of every batch a gradient step accumulates, or, inside ``context_parallel``, of the whole sequence,
+        so that the ranks' losses add up to one process's)."""
+        check_token_labels(labels, *outputs.last_hidden_state.shape[:2], type(self).__name__, what="class ids")
+        logits = self.classify(outputs.last_hidden_state)
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(
+                logits=logits, labels=labels, config=self.config, num_items_in_batch=num_items_in_batch
+            )
+        return head_output(TokenClassifierOutput, outputs, loss, logits=logits)

@@ -12,14 +12,13 @@ from transformers.modeling_outputs import (
     BaseModelOutput,
     MaskedLMOutput,
     QuestionAnsweringModelOutput,
-    TokenClassifierOutput,
 )
 from transformers.utils import can_return_tuple
 
 from .configuration_linear_roberta import LinearRobertaConfig
 from .context_parallel import real_tokens_before, refuse_a_mean_over_one_rank, refuse_in_context_parallel
 from .forward_arguments import LOSS_ARGUMENTS, check_extra_arguments
-from .heads import PooledSequenceClassification, TextHead, head_output
+from .heads import PooledSequenceClassification, TextHead, TokenClassification, head_output
 from .input_checks import token_embeddings
 from .label_checks import check_token_labels
 from .positional_absolute import build_absolute_position_embedding
@@ -179,10 +178,7 @@ class LinearRobertaForSequenceClassification(PooledSequenceClassification, Linea
         return self.classifier(pooled)
 
 
-class LinearRobertaForTokenClassification(TextHead, LinearRobertaPreTrainedModel):
-    accepts_loss_kwargs = True  # the loss divides by the Trainer's num_items_in_batch
-    loss_arguments = frozenset({"num_items_in_batch"})
-
+class LinearRobertaForTokenClassification(TokenClassification, LinearRobertaPreTrainedModel):
     def __init__(self, config: LinearRobertaConfig):
         super().__init__(config)
         self.num_labels = config.num_labels
@@ -192,21 +188,8 @@ class LinearRobertaForTokenClassification(TextHead, LinearRobertaPreTrainedModel
         self.classifier = nn.Linear(config.hidden_size, config.num_labels)
         self.post_init()
 
-    def refuse_split(self, labels, loss_arguments: dict):
-        refuse_a_mean_over_one_rank(labels, loss_arguments.get("num_items_in_batch"), "token classification's loss")
-
-    def head_outputs(self, outputs, labels, input_ids, attention_mask, num_items_in_batch=None):
-        """labels (B, N) class ids, -100 ignored. The loss is their mean, or their sum over ``num_items_in_batch``
-        (a keyword argument: the labelled tokens of every batch a gradient step accumulates, or, inside
-        ``context_parallel``, of the whole sequence, so that the ranks' losses add up to one process's)."""
-        check_token_labels(labels, *outputs.last_hidden_state.shape[:2], type(self).__name__, what="class ids")
-        logits = self.classifier(self.dropout(outputs.last_hidden_state))
-        loss = None
-        if labels is not None:
-            loss = self.loss_function(
-                logits=logits, labels=labels, config=self.config, num_items_in_batch=num_items_in_batch
-            )
-        return head_output(TokenClassifierOutput, outputs, loss, logits=logits)
+    def classify(self, hidden_states):
+        return self.classifier(self.dropout(hidden_states))
 
 
 class LinearRobertaForQuestionAnswering(TextHead, LinearRobertaPreTrainedModel):
