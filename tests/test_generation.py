@@ -601,10 +601,15 @@ def test_a_decoding_step_takes_its_short_path_where_it_can_and_equals_the_genera
         torch.testing.assert_close(short_logits, general_logits, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("road", ["short", "general"])
 @pytest.mark.parametrize("encoding", ["none", "rope", "permute"])
-def test_a_short_decoding_step_keeps_a_float32_state_beside_bfloat16_features(encoding):
-    """fla's kernels leave a prompt's state in float32 beside a bfloat16 model: the short step updates it in float32
-    (it stays float32) and decodes what the float32 model decodes, to bfloat16's precision."""
+def test_a_decoding_step_keeps_a_float32_state_beside_bfloat16_features(encoding, road, monkeypatch):
+    """fla's kernels leave a prompt's state in float32 beside a bfloat16 model: a decoding step, short or general,
+    updates it in float32 (it stays float32) and decodes what the float32 model decodes, to bfloat16's precision."""
+    from lrpe_hf.modeling.transformer_stack import LinearTransformerStack
+
+    if road == "general":
+        monkeypatch.setattr(LinearTransformerStack, "is_short_step", lambda *a: False)
     model = model_with(encoding)
     ids = prompt(batch=2, tokens=8)
     with torch.no_grad():
@@ -612,10 +617,30 @@ def test_a_short_decoding_step_keeps_a_float32_state_beside_bfloat16_features(en
         model.to(torch.bfloat16)
         cache = LinearAttentionCache(model.config.num_hidden_layers)
         model(ids, use_cache=True, **{CACHE_OUTPUT_FIELD: cache})
-        for state in cache.states:  # as fla's prompt leaves them
+        for state in cache.states:  # as fla's prompt leaves it (the unrotated key sums are the torch path's own)
             state.path.kv = state.path.kv.float()
-            if state.path.key_sum is not None:
-                state.path.key_sum = state.path.key_sum.float()
         logits = model(ids[:, :1], use_cache=True, **{CACHE_OUTPUT_FIELD: cache}).logits[:, -1]
     assert all(state.path.kv.dtype == torch.float32 for state in cache.states)
     torch.testing.assert_close(logits.float(), reference, rtol=0.05, atol=0.05)
+
+
+def test_a_layer_whose_encoding_was_replaced_after_it_was_built_decodes_by_the_general_road():
+    """Whether a layer takes the short decoding step is asked at each step: an encoding swapped in after the model
+    was built that acts before the feature map (``encode_query_key``, which the short step does not call) is
+    honoured, as the same encoding built into the layers would be."""
+
+    class ScaledQueries(lrpe_hf.PositionalEncoding):
+        def encode_query_key(self, q, k, positions, shared_draw=None):
+            return 2 * q, k
+
+    model = model_with("none")
+    ids = prompt(batch=1, tokens=6)
+    for layer in model.model.stack.layers:
+        layer.self_attn.positional_encoding = ScaledQueries()
+    with torch.no_grad():
+        full = model(ids).logits[:, -1]
+        cache = LinearAttentionCache(model.config.num_hidden_layers)
+        model(ids[:, :-1], use_cache=True, **{CACHE_OUTPUT_FIELD: cache})
+        step = model(ids[:, -1:], use_cache=True, **{CACHE_OUTPUT_FIELD: cache}).logits[:, -1]
+    assert not model.model.stack.layers[0].takes_short_steps()
+    torch.testing.assert_close(step, full)

@@ -250,25 +250,23 @@ class KernelAttention(nn.Module):
         q, k (B, H, 1, D), v (B, H, 1, d), positions (B, 1, 1), ``state`` this path's ``KernelAttentionState`` (made
         by the prompt) -> out (B, H, 1, d)."""
         features, (tq, tk) = self.stacked_features(q, k, None, positions, encoding)
-        fq, fk, values = features.query, features.key, v
-        if state.kv.dtype != q.dtype and torch.promote_types(state.kv.dtype, q.dtype) == state.kv.dtype:
-            # a wider state (fla's prompt leaves float32 beside half-precision features) is updated in its precision
-            tq, tk, fq, fk, values = (x.to(state.kv.dtype) for x in (tq, tk, fq, fk, values))
         log_decay = encoding.log_decay
         dtype = torch.promote_types(q.dtype, torch.float32)
         gates = None if log_decay is None else log_decay.to(dtype)[None, :, None].expand(q.shape[0], -1, 1)
         with_denominator = self.normalization == "denominator"
-        numerator, kv = recurrent_step(tq, tk, values, gates, state.kv, None, True, with_denominator)
+        numerator, kv = recurrent_step(tq, tk, v, gates, state.kv, None, True, with_denominator)
         state.store("kv", kv)
         if with_denominator:
             out, denominator = numerator.split([v.shape[-1], 1], dim=-1)
-            return divide_rows(out, denominator, self.eps)[0].to(v.dtype)
+            return divide_rows(out, denominator, self.eps)[0]
         if self.normalization == "unrotated_denominator":
-            ones = fk.new_ones(*fk.shape[:-1], 1)
-            denominator, key_sum = recurrent_step(fq, fk, ones, gates, state.key_sum, None, True)
+            fq, fk = features.query, features.key
+            denominator, key_sum = recurrent_step(
+                fq, fk, fk.new_ones(*fk.shape[:-1], 1), gates, state.key_sum, None, True
+            )
             state.store("key_sum", key_sum)
-            return divide_rows(numerator, denominator, self.eps)[0].to(v.dtype)
-        return self.normalized(numerator, None, None).to(v.dtype)
+            return divide_rows(numerator, denominator, self.eps)[0]
+        return self.normalized(numerator, None, None)
 
     def stacked_features(self, q, k, mask, positions, encoding):
         """``Features`` of q and k (B, H, N, D) and their encoded forms, the two stacked along the heads

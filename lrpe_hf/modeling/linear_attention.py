@@ -93,12 +93,17 @@ class LinearAttention(nn.Module):
             )
         self.standalone = standalone
         self.shared_codes = build_shared_codes(o, num_heads, self.head_dim) if standalone else None
-        takes_short_steps = getattr(self.attention, "takes_short_steps", None)
-        self.takes_short_steps = bool(takes_short_steps and takes_short_steps(self.positional_encoding))
 
     @property
     def feature_map(self):
         return getattr(self.attention, "feature_map", None)
+
+    @property
+    def takes_short_steps(self) -> bool:
+        """Whether a common decoding step can take ``decoding_step`` (``KernelAttention.takes_short_steps``), asked
+        at each step: the encoding or the feature map may have been replaced since the layer was built."""
+        takes_short_steps = getattr(self.attention, "takes_short_steps", None)
+        return takes_short_steps is not None and takes_short_steps(self.positional_encoding)
 
     @property
     def output_norm(self):

@@ -21,9 +21,14 @@ def recurrent_step(q, k, v, log_gates, initial_state, resets, in_place=False, on
     ``ones_column``: v stands for [v, 1] (the denominator's column; initial_state is then (B, H, m, dv + 1)).
     ``in_place``: S is written over S_0 (the caller's stored state, which it would overwrite with S anyway), where
     dtypes agree: one fused multiply-add (baddbmm) instead of a product, a sum and the caller's copy (and the
-    ones column's part is the key added, not a column appended to v)."""
-    kT = k.transpose(-1, -2)
+    ones column's part is the key added, not a column appended to v). A wider state (fla's prompt leaves float32
+    beside half-precision features) is updated in its own precision; out is in the inputs' dtype."""
     dtype = torch.promote_types(k.dtype, v.dtype)
+    out_dtype = dtype
+    if initial_state is not None and initial_state.dtype != dtype:
+        dtype = torch.promote_types(dtype, initial_state.dtype)
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    kT = k.transpose(-1, -2)
     if in_place and initial_state is not None and initial_state.dtype == dtype and initial_state.is_contiguous():
         state = initial_state
         if log_gates is not None:
@@ -35,7 +40,8 @@ def recurrent_step(q, k, v, log_gates, initial_state, resets, in_place=False, on
             rows[..., -1:].add_(kT.flatten(0, 1))
         else:
             rows.baddbmm_(kT.flatten(0, 1), v.flatten(0, 1))
-        return q @ state, state
+        out = q @ state
+        return (out if out_dtype == dtype else out.to(out_dtype)), state
     if ones_column:
         v = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
     state = kT @ v
@@ -45,7 +51,8 @@ def recurrent_step(q, k, v, log_gates, initial_state, resets, in_place=False, on
             keep = log_gates.exp() if resets is None else log_gates.exp().masked_fill(resets[:, None], 0.0)
             previous = previous * keep[..., None].to(state.dtype)
         state = state + previous
-    return q @ state, state
+    out = q @ state
+    return (out if out_dtype == dtype else out.to(out_dtype)), state
 
 
 def gated_chunks(q, k, v, log_gates, initial_state, C, resets, dtype):
