@@ -4,6 +4,7 @@ sequence in this one process (the reference), then its own slice under ``context
 the input gradients of its tokens and the parameters' gradients summed over the ranks must equal the reference's.
 Prints one line per case; exits non-zero at the first difference."""
 
+import contextlib
 import json
 import os
 import sys
@@ -49,6 +50,27 @@ def gradient_errors(module, reference_grads) -> dict:
     return errors
 
 
+def angle_tolerances(reference_grads) -> dict:
+    """LRPE's learnable angles' gradients within 1e-12 of their largest one-process value (relative): the sum over
+    ranks rounds in float64 (measured within 1e-14 relative), while a gradient rounded to float32 on each rank, as
+    angles made float32 in a float64 model took (each rank's share rounded apart), is 1e-7 off."""
+    largest = {name: grad.abs().max().item() for name, grad in reference_grads.items()}
+    angles = [name for name in largest if name.endswith(("angles", "rotation.frequencies")) and largest[name] > 0]
+    return {name: 1e-12 * largest[name] for name in angles}
+
+
+@contextlib.contextmanager
+def default_dtype(dtype):
+    """torch's default dtype is ``dtype`` inside: a model built there is made in ``dtype``, as transformers'
+    ``from_config(..., dtype=...)`` and ``from_pretrained(..., dtype=...)`` make it."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
 def check(errors: dict, tolerances: dict, label: str, scale: str):
     """Print the largest difference against its tolerance (1e-10 unless ``tolerances`` names another); exit non-zero
     where one is exceeded."""
@@ -88,7 +110,8 @@ def run_case(case, rank, size):
     errors = {"outputs": (out - reference[:, piece]).abs().max().item()}
     errors["input gradients"] = (local_input.grad - reference_input.grad[:, piece]).abs().max().item()
     errors.update(gradient_errors(layer, reference_grads))
-    check(errors, {}, f"rank {rank}/{size} {case}", f"outputs up to {reference.abs().max().item():.2f}")
+    tolerances = angle_tolerances(reference_grads)
+    check(errors, tolerances, f"rank {rank}/{size} {case}", f"outputs up to {reference.abs().max().item():.2f}")
 
 
 def run_model_case(case, rank, size):
@@ -97,7 +120,9 @@ def run_model_case(case, rank, size):
     tokens, so the ranks' losses add up to one process's; the causal LM takes the labels shifted over the whole
     sequence, sliced like the inputs. ``checkpointing`` ("reentrant" or "non_reentrant"): in training mode with
     gradient checkpointing, whose recomputation runs in backward, outside the ``context_parallel`` block (as the
-    Trainer runs it); ``score_padding``: padding tokens keep their labels (their logits count)."""
+    Trainer runs it); ``score_padding``: padding tokens keep their labels (their logits count); ``built_in_float64``:
+    made in float64 as transformers makes a model given ``dtype=torch.float64`` (torch's default dtype while it is
+    built), not converted by ``.double()`` afterwards, and every parameter must come out float64."""
     import lrpe_hf
 
     family = case["model"]
@@ -108,13 +133,19 @@ def run_model_case(case, rank, size):
         positional_encoding=case["positional_encoding"], absolute_position_embedding=case.get("absolute", "none"),
         spe_realizations=8,
     )  # fmt: skip
-    if family == "gpt":
-        model = lrpe_hf.LinearGPTForCausalLM(lrpe_hf.LinearGPTConfig(**fields))
-    elif family == "token":
-        model = lrpe_hf.LinearRobertaForTokenClassification(lrpe_hf.LinearRobertaConfig(**fields))
+    with default_dtype(torch.float64 if case.get("built_in_float64") else torch.get_default_dtype()):
+        if family == "gpt":
+            model = lrpe_hf.LinearGPTForCausalLM(lrpe_hf.LinearGPTConfig(**fields))
+        elif family == "token":
+            model = lrpe_hf.LinearRobertaForTokenClassification(lrpe_hf.LinearRobertaConfig(**fields))
+        else:
+            model = lrpe_hf.LinearRobertaForMaskedLM(lrpe_hf.LinearRobertaConfig(**fields))
+    if case.get("built_in_float64"):  # LRPE's learnable angles were made float32 there, their gradients float32
+        dtypes = {name: p.dtype for name, p in model.named_parameters() if p.dtype != torch.float64}
+        assert not dtypes, f"a model built in float64 holds parameters of other dtypes: {dtypes}"
     else:
-        model = lrpe_hf.LinearRobertaForMaskedLM(lrpe_hf.LinearRobertaConfig(**fields))
-    model = model.double().eval()
+        model = model.double()
+    model.eval()
     if case.get("checkpointing"):
         reentrant = case["checkpointing"] == "reentrant"
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
@@ -155,6 +186,7 @@ def run_model_case(case, rank, size):
     # transformers' masked-LM and token-classification losses sum in float32 (they cast the logits), so their sums
     # over ranks keep float32 rounding
     tolerances = {"loss": 1e-6} if family != "gpt" else {}
+    tolerances.update(angle_tolerances(reference_grads))
     check(errors, tolerances, f"rank {rank}/{size} {case}", f"loss {reference.loss:.4f}")
 
 

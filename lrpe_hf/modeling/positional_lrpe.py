@@ -36,7 +36,7 @@ from .positional_encoding import (
     unit_coordinates,
 )
 from .positional_permute import PermutePositionalEncoding
-from .positional_rope import RotaryPositionalEncoding, few_angles, rotary_frequencies
+from .positional_rope import RotaryPositionalEncoding, few_angles, learnable_angle_dtype, rotary_frequencies
 from .reinitialisable import Reinitialisable
 
 
@@ -175,12 +175,15 @@ class LRPEUnitary(PositionalEncoding):
         super().__init__()
         self.p = p
         self.num_heads, self.feature_dim, self.position_dims, self.base = num_heads, feature_dim, position_dims, base
+        self.learnable_angles = learnable_angles
         self.register_initial_values(trainable={"angles": learnable_angles})
         self.turn_rates, self.radian_rates = CachedRates(), CachedRates(radian_rates)
 
     def initial_values(self):
         # One angle per feature dimension: alpha_i = base^(-2i/m) over each axis's share of the dimensions.
         angles = rotary_frequencies(self.feature_dim, self.base**2, self.position_dims).repeat(self.num_heads, 1)
+        if self.learnable_angles:  # float64 in a model built in float64
+            angles = angles.to(learnable_angle_dtype())
         return {"angles": angles, "axis": axis_of_each(self.feature_dim, self.position_dims)}
 
     @classmethod

@@ -301,6 +301,15 @@ def rotary_frequencies(num_units: int, base: float, position_dims: int) -> torch
     return torch.tensor(ladder, dtype=torch.float32)
 
 
+def learnable_angle_dtype() -> torch.dtype:
+    """The dtype LRPE's learnable angles are made in (holding the ladder's float32 values): torch's default dtype
+    where it is wider than float32, so that a model built in float64 (``from_config(..., dtype=torch.float64)``,
+    ``from_pretrained``, or under ``torch.set_default_dtype``) holds them and takes their gradients in float64, as
+    every other parameter (float32 angles would round each gradient, and each context-parallel rank's share of it,
+    to float32); else float32, so that a half-precision build keeps them in float32."""
+    return torch.promote_types(torch.get_default_dtype(), torch.float32)
+
+
 class RotaryPositionalEncoding(PositionalEncoding):
     """Block-diagonal 2x2 rotations R_s of the features. ``learnable`` turns the angles into parameters
     (LRPE's orthogonal solution); otherwise they are RoPE's fixed ladder, whose rotation of a forward pass's
@@ -311,12 +320,15 @@ class RotaryPositionalEncoding(PositionalEncoding):
     ):
         super().__init__()
         self.num_heads, self.num_pairs, self.base, self.position_dims = num_heads, feature_dim // 2, base, position_dims
+        self.learnable = learnable
         self.register_initial_values(trainable={"frequencies": True} if learnable else {})
         self.turn_rates, self.radian_rates = CachedRates(), CachedRates(radian_rates)
         self.kept_ladder_check = KeptUntilChanged()
 
     def initial_values(self):
         frequencies = rotary_frequencies(self.num_pairs, self.base, self.position_dims).repeat(self.num_heads, 1)
+        if self.learnable:  # fixed ones stay RoPE's float32 ladder (``fixed_rates``)
+            frequencies = frequencies.to(learnable_angle_dtype())
         return {"frequencies": frequencies, "axis": axis_of_each(self.num_pairs, self.position_dims)}
 
     @classmethod
