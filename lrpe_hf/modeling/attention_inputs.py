@@ -27,7 +27,10 @@ class LayerCall(NamedTuple):
     counters: inside ``context_parallel``, ``incoming_counters(...)`` of the call (gathered once for all layers);
     count_tokens: whether the layer advances its state's token counters (False: a model advances its layers'
         shared counters once per call, ``LinearAttentionCache.count``);
-    softmax_implementation: "sdpa" or "eager", the softmax path's kernel.
+    softmax_implementation: "sdpa" or "eager", the softmax path's kernel;
+    plain_positions: the call's positions (B, N, 1) where it is a plain one, which a layer may attend by its plain
+        road (``LinearAttention.plain_attend``): no cache, default positions, no attention weights, no context
+        parallelism; else None.
     """
 
     documents: tuple | None = None
@@ -35,6 +38,7 @@ class LayerCall(NamedTuple):
     counters: object | None = None
     count_tokens: bool = True
     softmax_implementation: str = "sdpa"
+    plain_positions: torch.Tensor | None = None
 
 
 class AttentionInputs(NamedTuple):

@@ -16,6 +16,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 from torch.autograd.function import once_differentiable
 from torch.nn import functional as F
 
@@ -66,12 +67,25 @@ class FeatureMap(Reinitialisable):
         q and k are the caller's temporaries, which the map may overwrite (``in_place``) when no gradient is
         wanted: two full-size allocations fewer in evaluation and decoding. Not while compiling: the compiler plans
         the buffers itself, and a write into a strided view of the projections breaks its graph."""
-        in_place = reuse_inputs and not wants_gradient(q, k) and not torch.compiler.is_compiling()
-        phi = self.in_place if in_place else self
-        fk = phi(k)
+        if reuse_inputs and not wants_gradient(q, k) and not torch.compiler.is_compiling():
+            fq, fk = self.in_place(q), self.in_place(k)
+        else:
+            fq, fk = self.of_both(q, k)
         if mask is not None:
             fk = fk.masked_fill(~mask[:, None, :, None], 0.0)
-        return Features(phi(q), fk)
+        return Features(fq, fk)
+
+    def of_both(self, q, k) -> tuple:
+        """(phi(q), phi(k)); a map that can compute both in one call (one autograd Function, not two) overrides
+        it, and takes that call only where no hook on the map would be passed by (``unhooked``)."""
+        return self(q), self(k)
+
+    def unhooked(self) -> bool:
+        """Whether no forward hook, of this map or global, would run if the map were not called as a module."""
+        hooks = nn.modules.module
+        return not (self._forward_hooks or self._forward_pre_hooks or hooks._global_forward_hooks) and not (
+            hooks._global_forward_pre_hooks
+        )
 
 
 ELEMENTWISE_BLOCK = 1 << 18  # elements ``shifted_elu`` handles at a time: 1 MB in float32, so its passes stay in cache
@@ -106,20 +120,26 @@ def shifted_elu(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tenso
 
 
 class ShiftedElu(torch.autograd.Function):
-    """``shifted_elu`` saving only its output: the derivative is min(1 + elu(x), 1)."""
+    """``shifted_elu`` of each of its inputs (queries and keys in one call), saving only the outputs: the derivative
+    is min(1 + elu(x), 1)."""
 
     @staticmethod
-    def forward(ctx, x):
-        out = shifted_elu(x)
-        ctx.save_for_backward(out)
-        return out
+    def forward(ctx, *inputs):
+        outputs = tuple(map(shifted_elu, inputs))
+        ctx.save_for_backward(*outputs)
+        return outputs
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad):
-        """grad * min(out, 1), into one new tensor, a block of memory at a time on a CPU where grad and out share a
-        layout."""
-        (out,) = ctx.saved_tensors
+    def backward(ctx, *grads):
+        return tuple(map(ShiftedElu.input_gradient, grads, ctx.saved_tensors))
+
+    @staticmethod
+    def input_gradient(grad, out):
+        """grad * min(out, 1) (None for an unused output's None), into one new tensor, a block of memory at a time on
+        a CPU where grad and out share a layout."""
+        if grad is None:
+            return None
         result = torch.empty_like(out)
         if not out.is_cpu or out.numel() < FEW_ELEMENTS or grad.stride() != out.stride():
             return torch.clamp(out, max=1.0, out=result).mul_(grad)
@@ -138,7 +158,12 @@ class EluFeatureMap(FeatureMap):
     def forward(self, x):
         if torch.compiler.is_compiling():  # plain ops, which the compiler fuses and differentiates (not elu's
             return x.clamp_min(0.0) + x.clamp_max(0.0).exp()  # backward: its strides disagree with its meta's)
-        return ShiftedElu.apply(x) if wants_gradient(x) else shifted_elu(x)
+        return ShiftedElu.apply(x)[0] if wants_gradient(x) else shifted_elu(x)
+
+    def of_both(self, q, k):
+        if wants_gradient(q, k) and not torch.compiler.is_compiling() and self.unhooked():
+            return ShiftedElu.apply(q, k)
+        return self(q), self(k)
 
     def in_place(self, x):
         return shifted_elu(x, out=x)

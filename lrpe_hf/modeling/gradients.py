@@ -6,8 +6,14 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 
 def wants_gradient(*inputs) -> bool:
-    """Whether autograd is recording and any of ``inputs`` (tensors, numbers or None) requires a gradient."""
-    return torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in inputs)
+    """Whether autograd is recording and any of ``inputs`` (tensors, numbers or None) requires a gradient. A plain
+    loop: asked several times a layer, where a generator's frames were most of its host cost."""
+    if not torch.is_grad_enabled():
+        return False
+    for x in inputs:
+        if isinstance(x, torch.Tensor) and x.requires_grad:
+            return True
+    return False
 
 
 def version_of(tensor: torch.Tensor):

@@ -29,7 +29,7 @@ from .context_parallel import active_group, bidirectional_product, causal_produc
 from .feature_maps import FEW_ELEMENTS, FeatureMap, Features
 from .gradients import wants_gradient
 from .positional_encoding import PositionalEncoding
-from .positions import document_count
+from .positions import document_count, position_steps
 from .products_chunked import causal_key_sums
 from .products_dispatch import kernel_backend_serves
 from .products_gated import recurrent_step
@@ -229,18 +229,53 @@ class KernelAttention(nn.Module):
             and not wants_gradient(q, k)
         )
 
-    def takes_short_steps(self, encoding) -> bool:
-        """Whether a decoding step of this path with ``encoding`` can take ``decoding_step``: causal, a feature map
-        without a stabiliser (the base ``features``), an encoding that acts on the features alone (no
-        ``encode_query_key``, no value bias), and the products' default backends (a named other backend keeps its
-        own one-step kernel)."""
+    def takes_plain_road(self, encoding) -> bool:
+        """Whether a plain call of this path with ``encoding`` can take ``plain_forward``: a feature map without a
+        stabiliser (the base ``features``) and an encoding that acts on the features alone (no
+        ``encode_query_key``, no value bias)."""
         return (
-            self.causal
-            and type(self.feature_map).features is FeatureMap.features
+            type(self.feature_map).features is FeatureMap.features
             and type(encoding).encode_query_key is PositionalEncoding.encode_query_key
             and not encoding.has_value_bias
-            and self.kernel_backend in ("auto", "torch")
         )
+
+    def takes_short_steps(self, encoding) -> bool:
+        """Whether a decoding step of this path with ``encoding`` can take ``decoding_step``: causal, the plain road
+        (``takes_plain_road``), and the products' default backends (a named other backend keeps its own one-step
+        kernel)."""
+        return self.causal and self.kernel_backend in ("auto", "torch") and self.takes_plain_road(encoding)
+
+    def plain_forward(self, q, k, v, mask, positions, encoding, call):
+        """``forward`` for a plain ``call`` (``takes_plain_road``; no state, default positions, one document a row,
+        no context parallelism): the features, the encoding, a decay's gates, one product, the normalisation, padded
+        outputs zeroed. q, k (B, H, N, D) the layer's own temporaries, v (B, H, N, d) with padded values zeroed,
+        mask (B, N) bool or None, positions (B, N, 1) -> out (B, H, N, d)."""
+        out = self.plain_product(q, k, v, mask, positions, encoding, call.consecutive)
+        return out if mask is None else out.masked_fill(~mask[:, None, :, None], 0.0)
+
+    def plain_product(self, q, k, v, mask, positions, encoding, consecutive: bool):
+        """``plain_forward`` before padded outputs are zeroed; ``consecutive``: positions without padding."""
+        features = self.feature_map.features(q, k, mask, self.causal, reuse_inputs=True)
+        tq, tk = encoding.encode_features(features.query, features.key, positions)
+        log_decay, gates, known_decay = encoding.log_decay, None, None
+        if log_decay is not None:
+            gates = self.decay_gates(log_decay, position_steps(positions, mask), q.dtype)
+            known_decay = log_decay if consecutive else None
+        with_denominator = self.normalization == "denominator"
+        if not self.causal:
+            out, denominator = bidirectional_linear_attention(tq, tk, v, None, with_denominator)
+        else:  # without a gradient, the product divides by the denominator as it goes
+            divide_eps = self.eps if with_denominator and not wants_gradient(tq, tk, v, gates) else None
+            out, denominator, _ = causal_linear_attention(
+                tq, tk, v, gates, None, self.chunk_size, None, with_denominator, divide_eps, self.kernel_backend,
+                known_decay=known_decay, final_state=False,
+            )  # fmt: skip
+            if divide_eps is not None:
+                return out
+        if self.normalization == "unrotated_denominator":
+            fq, fk = features.query, features.key
+            denominator = self.unrotated_denominator(fq, fk, gates, None, known_decay=known_decay)
+        return self.normalized(out, denominator, None)
 
     def decoding_step(self, q, k, v, positions, encoding, state):
         """One token after a cache, as a model's common decoding call makes it (the positions the defaults, one

@@ -36,6 +36,19 @@ from .softmax_attention import SoftmaxAttention
 ATTENTION_PATHS = {"linear": KernelAttention, "softmax": SoftmaxAttention}
 
 
+def refuse_a_decay_without_causality(encoding, options):
+    """Raises where ``encoding`` decays with distance (a ``log_decay``) but ``options`` are bidirectional: a decay by
+    how far back a key lies has no meaning there. Not on the meta device, where there is nothing to read yet."""
+    tensors = [*encoding.parameters(), *encoding.buffers()]
+    if options.causal or any(t.is_meta for t in tensors) or encoding.log_decay is None:
+        return
+    raise ValueError(
+        f"positional_encoding={options.positional_encoding!r} decays with distance (it has a log_decay): it is for "
+        "causal attention only (LinearGPT, or LinearAttention(causal=True)); register it with causal_only=True so "
+        "that bidirectional configs refuse it when built"
+    )
+
+
 class LinearAttention(nn.Module):
     """Multi-head (linear or softmax) self-attention with a positional encoding.
 
@@ -83,14 +96,7 @@ class LinearAttention(nn.Module):
         self.attention = ATTENTION_PATHS[o.attention](o, self.head_dim, query_key_dim)
         feature_dim = getattr(self.attention, "feature_dim", query_key_dim)
         self.positional_encoding = build_positional_encoding(o, num_heads, self.head_dim, feature_dim)
-        encoding_tensors = [*self.positional_encoding.parameters(), *self.positional_encoding.buffers()]
-        built = not any(t.is_meta for t in encoding_tensors)  # on the meta device there is nothing to read yet
-        if not o.causal and built and self.positional_encoding.log_decay is not None:
-            raise ValueError(
-                f"positional_encoding={o.positional_encoding!r} decays with distance (it has a log_decay): it is for "
-                "causal attention only (LinearGPT, or LinearAttention(causal=True)); register it with "
-                "causal_only=True so that bidirectional configs refuse it when built"
-            )
+        refuse_a_decay_without_causality(self.positional_encoding, o)
         self.standalone = standalone
         self.shared_codes = build_shared_codes(o, num_heads, self.head_dim) if standalone else None
 
@@ -99,11 +105,19 @@ class LinearAttention(nn.Module):
         return getattr(self.attention, "feature_map", None)
 
     @property
+    def takes_plain_road(self) -> bool:
+        """Whether a plain call (``LayerCall.plain_positions``) can take ``plain_attend`` (the path's
+        ``takes_plain_road``), asked at each call as ``takes_short_steps``; not where the attention path has hooks of
+        its own, which the plain road would pass by."""
+        attention = self.attention
+        hooked = attention._forward_hooks or attention._forward_pre_hooks
+        return not hooked and attention.takes_plain_road(self.positional_encoding)
+
+    @property
     def takes_short_steps(self) -> bool:
-        """Whether a common decoding step can take ``decoding_step`` (``KernelAttention.takes_short_steps``), asked
-        at each step: the encoding or the feature map may have been replaced since the layer was built."""
-        takes_short_steps = getattr(self.attention, "takes_short_steps", None)
-        return takes_short_steps is not None and takes_short_steps(self.positional_encoding)
+        """Whether a common decoding step can take ``decoding_step`` (the path's ``takes_short_steps``), asked at each
+        step: the encoding or the feature map may have been replaced since the layer was built."""
+        return self.attention.takes_short_steps(self.positional_encoding)
 
     @property
     def output_norm(self):
@@ -121,7 +135,10 @@ class LinearAttention(nn.Module):
     def forward(self, hidden_states, attention_mask=None, position_ids=None, state=None, shared_draw=None, call=None):
         """``call``: a ``LayerCall``, what a model finds once for all its layers (packed rows' documents, consecutive
         positions, context-parallel counters, whether the state counts these tokens, the softmax kernel)."""
-        out = self.attend(hidden_states, attention_mask, position_ids, state, shared_draw, call)
+        if call is not None and call.plain_positions is not None and self.takes_plain_road:
+            out = self.plain_attend(hidden_states, attention_mask, call)
+        else:
+            out = self.attend(hidden_states, attention_mask, position_ids, state, shared_draw, call)
         B, N = hidden_states.shape[:2]
         return self.o_proj(out.transpose(1, 2).reshape(B, N, self.hidden_size))
 
@@ -165,6 +182,12 @@ class LinearAttention(nn.Module):
             inputs.counted_state.count(inputs.positions, mask, inputs.documents)
         return out
 
+    def plain_attend(self, hidden_states, mask, call):
+        """``attend`` for a model's plain ``call`` (``takes_plain_road``): the projections, then the path's
+        ``plain_forward``. hidden_states (B, N, hidden), mask (B, N) bool or None -> (B, H, N, d)."""
+        q, k, v = self.heads(hidden_states, mask)
+        return self.attention.plain_forward(q, k, v, mask, call.plain_positions, self.positional_encoding, call)
+
     def decoding_step(self, hidden_states, state, positions):
         """``forward`` for a model's common decoding call (``takes_short_steps``; one token after a cache, default
         positions, no mask, no gradient, no hooks on this layer): the projections, the path's ``decoding_step`` on the
@@ -186,7 +209,7 @@ class LinearAttention(nn.Module):
         nothing in any path, nor to saved states)."""
         projected_qkv = (self.q_proj, self.k_proj) + ((self.v_proj,) if values is None else ())
         projections = project(projected_qkv, hidden_states, keep_views=self.positional_encoding.keeps_query_key)
-        q, k = (self.split_heads(x) for x in projections[:2])
+        q, k = self.split_heads(projections[0]), self.split_heads(projections[1])
         v = self.split_heads(projections[2]) if values is None else values
         if mask is not None:
             v = v.masked_fill(~mask[:, None, :, None], 0.0)

@@ -135,13 +135,13 @@ def fla_causal_product(
     as ``causal_linear_attention``."""
     kernels = kernels or fla_kernels()
     dv = v.shape[-1]
-    q, k, v = (x.to(dtype) for x in (q, k, v))
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     if log_decay is not None:
         gates = {"g_gamma": log_decay.float()}
     else:
         gates = {"g": log_gates.transpose(1, 2).float().contiguous() if log_gates is not None else None}
     # fla's layout, once for both products (fla would copy a transposed view at each call)
-    fq, fk = (even_width(x).transpose(1, 2).contiguous() for x in (q, k))  # (B, N, H, m'), m' even
+    fq, fk = even_width(q).transpose(1, 2).contiguous(), even_width(k).transpose(1, 2).contiguous()  # (B, N, H, m')
 
     def product(values, state):
         return fla_product(kernels, fq, fk, values, gates, state, resets, q.shape[-1], final_state)

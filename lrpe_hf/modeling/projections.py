@@ -25,15 +25,23 @@ def joinable(projections) -> bool:
     """Whether ``joined_projections`` computes these projections: in training (a weight wants its gradient), for
     plain ``nn.Linear`` layers (not adapters) with plain weights (not quantised or sharded: a shape-only run's fakes
     are plain) and no hooks of their own or global ones, one dtype and device, and biases all or none."""
-    if not torch.is_grad_enabled() or not any(p.weight.requires_grad for p in projections):
+    if not torch.is_grad_enabled() or nn.modules.module._global_forward_hooks:
         return False
-    if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
+    if nn.modules.module._global_forward_pre_hooks:
         return False
-    weights = [p.weight for p in projections]
-    plain = all(type(p) is nn.Linear and not (p._forward_hooks or p._forward_pre_hooks) for p in projections)
-    plain = plain and all(type(w) is nn.Parameter or isinstance(w, FakeTensor) for w in weights)
-    same = len({(w.dtype, w.device) for w in weights}) == 1 and len({p.bias is None for p in projections}) == 1
-    return plain and same
+    first = projections[0]
+    dtype, device, unbiased = first.weight.dtype, first.weight.device, first.bias is None
+    wanted = False
+    for projection in projections:  # a plain loop: asked at every training forward of every layer
+        if type(projection) is not nn.Linear or projection._forward_hooks or projection._forward_pre_hooks:
+            return False
+        weight = projection.weight
+        if type(weight) is not nn.Parameter and not isinstance(weight, FakeTensor):
+            return False
+        if weight.dtype != dtype or weight.device != device or (projection.bias is None) != unbiased:
+            return False
+        wanted = wanted or weight.requires_grad
+    return wanted
 
 
 def joined_projections(projections, x):

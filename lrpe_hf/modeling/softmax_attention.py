@@ -59,6 +59,12 @@ class SoftmaxAttention(nn.Module):
         self.causal = options.causal
         self.scale = 1.0 / math.sqrt(query_key_dim)
 
+    def takes_plain_road(self, encoding) -> bool:
+        """This path has one road, its ``forward`` (no plain road, no short decoding step, as ``KernelAttention``'s)."""
+        return False
+
+    takes_short_steps = takes_plain_road
+
     def forward(self, q, k, v, inputs, reuse_inputs=False):
         """``inputs``: the layer's ``AttentionInputs``; of them this path reads the mask, positions, encoding, its
         state, the documents of a packed row (counted across calls, always given with a state; None: one document)

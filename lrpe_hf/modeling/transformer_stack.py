@@ -62,7 +62,8 @@ class LinearTransformerStack(nn.Module):
         shared_tables = shared_draw.tables() if shared_draw is not None and hasattr(shared_draw, "tables") else []
         documents, counters = self.documents_and_counters(positions, attention_mask, cache, given_positions)
         softmax_implementation = self.layers[0].config._attn_implementation  # read now: it can change after building
-        call = LayerCall(documents, consecutive, counters, False, softmax_implementation)
+        plain = self.is_plain_call(positions, cache, given_positions, output_attentions)
+        call = LayerCall(documents, consecutive, counters, False, softmax_implementation, positions if plain else None)
         all_hidden_states = [] if output_hidden_states else None
         all_attentions = [] if output_attentions else None
         short_steps = self.is_short_step(hidden_states, attention_mask, cache, given_positions, output_attentions)
@@ -90,6 +91,23 @@ class LinearTransformerStack(nn.Module):
                 raise ValueError("A recurrent cache continues 1D positions: position_ids of shape (batch, tokens)")
             cache.count(positions.long(), attention_mask, documents[1])
         return hidden_states, all_hidden_states, all_attentions
+
+    @staticmethod
+    def is_plain_call(positions, cache, given_positions: bool, output_attentions) -> bool:
+        """Whether this call is a plain one, decided once for every layer: no cache, default 1D positions (a row is
+        one document), no attention weights, no context parallelism and no global module hooks (which the plain road
+        would pass by on the attention path), and a batch of rows (an empty one has nothing to attend: the general
+        road says so). Its layers then attend by their plain road where they can (``LinearAttention.takes_plain_road``),
+        with or without padding, in training as in evaluation."""
+        return (
+            cache is None
+            and positions.shape[0] > 0
+            and not given_positions
+            and not output_attentions
+            and positions.shape[-1] == 1
+            and active_group() is None
+            and not (nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks)
+        )
 
     def is_short_step(self, hidden_states, attention_mask, cache, given_positions: bool, output_attentions) -> bool:
         """Whether this call is the common decoding step, decided once for every layer: one token after a cache that
