@@ -21,7 +21,7 @@ import torch
 
 from .gradients import wants_gradient
 from .products_custom_op import compiled_causal_product
-from .products_dispatch import eager_causal_product, kernel_backend_serves
+from .products_dispatch import ProductCall, eager_causal_product, kernel_backend_serves
 from .products_shared import divide_rows, product_dtype
 
 
@@ -115,7 +115,8 @@ def causal_linear_attention(
         if divide_eps is not None:
             out = divide_rows(out, denominator, divide_eps)[0]
         return out, denominator, final if final_state else None
-    return eager_causal_product(
+    call = ProductCall(
         q, k, v, log_gates, initial_state, chunk_size, resets, with_denominator, divide_eps, backend, update_in_place,
         known_decay, final_state,
     )  # fmt: skip
+    return eager_causal_product(call)

@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .products_dispatch import eager_causal_product
+from .products_dispatch import ProductCall, eager_causal_product
 
 EMPTY = (0,)  # the shape standing for "none" among an op's tensor outputs, which cannot be None
 # One pair of ops per copy of this file: lrpe_hf's and a checkpoint's remote code can be loaded side by side.
@@ -30,8 +30,9 @@ COPY = __name__.replace(".", "_")
 
 def eager_product(q, k, v, log_gates, initial_state, resets, chunk_size, with_denominator, backend):
     with torch.autocast(q.device.type, enabled=False):
+        chunk_size = chunk_size or None
         return eager_causal_product(
-            q, k, v, log_gates, initial_state, chunk_size or None, resets, with_denominator, None, backend
+            ProductCall(q, k, v, log_gates, initial_state, chunk_size, resets, with_denominator, backend=backend)
         )
 
 

@@ -15,7 +15,7 @@ order, ``torch`` (which runs everything) last, as transformers picks an attentio
 """
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 from torch.nn import functional as F
@@ -27,6 +27,25 @@ from .products_shared import chunk_length, divide_rows, product_dtype
 from .products_triton import can_run, fla_causal_product, on_kernel_device
 
 
+class ProductCall(NamedTuple):
+    """One causal product's arguments, as ``attention_kernels.causal_linear_attention`` takes them (see it for each),
+    carried as one record from there to the backend that runs it."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    log_gates: torch.Tensor | None = None
+    initial_state: torch.Tensor | None = None
+    chunk_size: int | None = None
+    resets: torch.Tensor | None = None
+    with_denominator: bool = False
+    divide_eps: float | None = None
+    backend: str = "auto"
+    update_in_place: bool = False
+    known_decay: torch.Tensor | None = None
+    final_state: bool = True
+
+
 @dataclass(frozen=True)
 class CausalProductBackend:
     """One implementation of the causal product.
@@ -34,9 +53,9 @@ class CausalProductBackend:
     why_not(q, v, dtype, gated_backward): None where it computes this call's product correctly, else the reason;
         q (B, H, N, m), v (B, H, N, dv), ``dtype`` the product's, ``gated_backward``: per-token gates that will want
         a gradient.
-    run(q, k, v, log_gates, decay, initial_state, resets, with_denominator, dtype, chunk_size, divide_eps,
-        update_in_place, final_state): (out, denominator or None, final state or None) as ``causal_linear_attention``
-        returns them; ``decay`` (H,) one log decay per head, given instead of per-token ``log_gates``.
+    run(call, dtype, decay): (out, denominator or None, final state or None) as ``causal_linear_attention`` returns
+        them, for ``call`` (a ``ProductCall``) in the product's ``dtype``; ``decay`` (H,): one log decay per head,
+        to be taken instead of the call's per-token ``log_gates``, or None.
     serves(x): whether it runs products on x's device (one the torch products are the fallback for).
     """
 
@@ -85,52 +104,38 @@ def chosen_backend(backend: str, q, v, dtype, gated_backward: bool) -> str:
     return next(n for n in in_auto_order() if CAUSAL_PRODUCT_BACKENDS[n].why_not(q, v, dtype, gated_backward) is None)
 
 
-def eager_causal_product(
-    q,
-    k,
-    v,
-    log_gates=None,
-    initial_state=None,
-    chunk_size: int | None = None,
-    resets=None,
-    with_denominator=False,
-    divide_eps: float | None = None,
-    backend: str = "auto",
-    update_in_place: bool = False,
-    known_decay=None,
-    final_state: bool = True,
-):
-    """``attention_kernels.causal_linear_attention`` outside compiled graphs: the same arguments and results."""
-    N, dtype = q.shape[2], product_dtype(q, v)
+def eager_causal_product(call: ProductCall):
+    """``attention_kernels.causal_linear_attention`` outside compiled graphs, for its ``call``: the same results."""
+    q, v, log_gates = call.q, call.v, call.log_gates
+    dtype = product_dtype(q, v)
     # One decay per head (the torch path's ungated product, much faster than its gated one; no gated backward for
     # fla) only where the caller knows it: looking at the gates would be a read on the host (a sync) per call
-    decay = uniform_decay(log_gates, resets, known_decay) if N > 1 else None
-    gated_backward = log_gates is not None and decay is None and wants_gradient(q, k, v, log_gates, initial_state)
-    run = CAUSAL_PRODUCT_BACKENDS[chosen_backend(backend, q, v, dtype, gated_backward)].run
-    return run(
-        q, k, v, log_gates, decay, initial_state, resets, with_denominator, dtype, chunk_size, divide_eps,
-        update_in_place, final_state,
-    )  # fmt: skip
+    decay = uniform_decay(log_gates, call.resets, call.known_decay) if q.shape[2] > 1 else None
+    gated_backward = (
+        log_gates is not None and decay is None and wants_gradient(q, call.k, v, log_gates, call.initial_state)
+    )
+    return CAUSAL_PRODUCT_BACKENDS[chosen_backend(call.backend, q, v, dtype, gated_backward)].run(call, dtype, decay)
 
 
-def fla_run(q, k, v, log_gates, decay, initial_state, resets, with_denominator, dtype, chunk_size, divide_eps,
-            update_in_place, final_state):  # fmt: skip
+def fla_run(call: ProductCall, dtype, decay):
     """fla-core's Triton kernels (``products_triton``); the division, where asked, after them."""
+    log_gates = None if decay is not None else call.log_gates
     out, denominator, final = fla_causal_product(
-        q, k, v, None if decay is not None else log_gates, decay, initial_state, resets, with_denominator, dtype,
-        final_state=final_state,
+        call.q, call.k, call.v, log_gates, decay, call.initial_state, call.resets, call.with_denominator, dtype,
+        final_state=call.final_state,
     )  # fmt: skip
-    if divide_eps is not None:
-        out = divide_rows(out, denominator, divide_eps)[0]
-    return out, denominator, final if final_state else None
+    if call.divide_eps is not None:
+        out = divide_rows(out, denominator, call.divide_eps)[0]
+    return out, denominator, final if call.final_state else None
 
 
-def torch_run(q, k, v, log_gates, decay, initial_state, resets, with_denominator, dtype, chunk_size, divide_eps,
-              update_in_place, final_state):  # fmt: skip
+def torch_run(call: ProductCall, dtype, decay):
     """The torch products: ungated inputs and one decay per head take ``ChunkedCausalProduct`` (dividing as it goes
     where asked), per-token gates ``gated_chunks``, a one-token step ``recurrent_step``."""
+    q, k, v, log_gates, initial_state, resets = call.q, call.k, call.v, call.log_gates, call.initial_state, call.resets
+    with_denominator, divide_eps, final_state = call.with_denominator, call.divide_eps, call.final_state
     B, H, N, m = q.shape
-    C = chunk_length(N, chunk_size)
+    C = chunk_length(N, call.chunk_size)
     if resets is not None and log_gates is None:
         log_gates = q.new_zeros(B, H, N, dtype=torch.promote_types(q.dtype, torch.float32))
     device = q.device.type
@@ -154,7 +159,7 @@ def torch_run(q, k, v, log_gates, decay, initial_state, resets, with_denominator
         log_gates = F.pad(log_gates, (0, pad))
         resets = F.pad(resets, (0, pad)) if resets is not None else None
     if N == 1:  # the step appends the ones column itself (or adds the key to its state's)
-        out, final = recurrent_step(q, k, v, log_gates, initial_state, resets, update_in_place, with_denominator)
+        out, final = recurrent_step(q, k, v, log_gates, initial_state, resets, call.update_in_place, with_denominator)
     else:
         if with_denominator:  # a ones column: these paths' products are per chunk, not the bulk
             v = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
