@@ -19,6 +19,7 @@ from .registry import (
 
 ABSOLUTE_POSITION_EMBEDDINGS = ("none", "sinusoidal", "learned")
 ATTENTION_KINDS = ("linear", "softmax")
+WINDOW_NORMALIZATIONS = ("denominator", "unrotated_denominator")  # those local_window can share (local_window.py)
 
 
 def option(default, help: str, **metadata):
@@ -50,6 +51,12 @@ class AttentionOptions:
         "auto",
         "the causal product's kernels: auto (Triton kernels of fla-core for CUDA tensors where installed and able, "
         "else torch), torch, or triton (raises where it cannot run)",
+    )
+    local_window: int = option(
+        0,
+        "exact softmax over each token's W nearest tokens (causal: the W latest up to itself; bidirectional: those "
+        "less than W tokens away) and linear attention beyond, under one normaliser with a learned factor per head "
+        "(linear attention only, 1D; needs normalization denominator or unrotated_denominator); 0: off",
     )
     eps: float = option(
         1e-6,
@@ -122,6 +129,35 @@ class AttentionOptions:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)}")
         if self.eps <= 0 or self.relu_eps < 0:
             raise ValueError("eps must be > 0 and relu_eps >= 0")
+        self._check_local_window()
+
+    def _check_local_window(self):
+        """``local_window``: a whole number >= 0; where it is on, linear attention over 1D sequences with a
+        normalisation whose denominator the window can share."""
+        window = self.local_window
+        if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+            raise ValueError(f"local_window must be a whole number of tokens >= 0 (0: off), got {window!r}")
+        if window == 0:
+            return
+        if self.attention != "linear":
+            raise ValueError(
+                "local_window mixes exact softmax nearby with linear attention beyond: it needs attention='linear' "
+                "(attention='softmax' attends to every token exactly already)"
+            )
+        if self.position_dims != 1:
+            raise ValueError(
+                "local_window counts the nearest tokens along a sequence; image patches' (row, col) positions have no "
+                "such order, and a 2D window (patches within W rows and columns) is not implemented: use "
+                "local_window=0 with position_dims=2 (LinearViT)"
+            )
+        if self.normalization not in WINDOW_NORMALIZATIONS:
+            raise ValueError(
+                f"local_window shares one normaliser between its softmax and linear parts: it needs normalization "
+                f"{' or '.join(WINDOW_NORMALIZATIONS)}, got {self.normalization!r} (output_norm and "
+                "output_layer_norm have no denominator to share; with feature_map="
+                f"{self.feature_map!r} and {self.positional_encoding!r} no denominator may be valid: use elu, relu, "
+                "exp, performer or hedgehog)"
+            )
 
     def _set_feature_map_and_normalization(self, encoding):
         """Linear attention: the feature map (the encoding's paper's by default) and a normalisation that cannot

@@ -14,6 +14,9 @@ encoding (PermuteFormer), 1 otherwise. ``norm_s`` is one of three normalisations
 - ``output_layer_norm``: no denominator; one LayerNorm (gain and bias) over all heads together, as the LRPE
   authors' code (``linear_kernel_attention.py`` with ``use_urpe``) does before the output projection.
 
+With ``local_window`` W > 0, each query attends to its W nearest tokens by exact softmax and to the others by the
+form above, the two under one normaliser with a learned factor per head (``local_window.py``, its formula there).
+
 eps is defined on the unstabilised scale: where an exponential feature map divided every term of output s by
 exp(log_scale_s), eps is multiplied by exp(-log_scale_s) (and the RMSNorm's by its square).
 """
@@ -28,6 +31,7 @@ from .attention_state import TensorState
 from .context_parallel import active_group, bidirectional_product, causal_product
 from .feature_maps import FEW_ELEMENTS, FeatureMap, Features
 from .gradients import wants_gradient
+from .local_window import LocalWindow, WindowState
 from .positional_encoding import PositionalEncoding
 from .positions import document_count, position_steps
 from .products_chunked import causal_key_sums
@@ -87,11 +91,13 @@ class DivideByDenominator(torch.autograd.Function):
 class KernelAttentionState(TensorState):
     """``kv``: sum_t w(s, t) k_t v_t^T, with the key sum sum_t w(s, t) k_t as one more column for the
     transformed denominator (B, H, m, d [+1]); ``key_sum``: the unrotated denominator's state (B, H, m', 1);
-    ``key_max``: the running key maximum of exponential feature maps (B, H)."""
+    ``key_max``: the running key maximum of exponential feature maps (B, H); ``window``: with ``local_window``, the
+    last W tokens (the linear states then hold every older token)."""
 
     kv: torch.Tensor | None = None
     key_sum: torch.Tensor | None = None
     key_max: torch.Tensor | None = None
+    window: WindowState | None = None
 
 
 class KernelAttention(nn.Module):
@@ -110,12 +116,17 @@ class KernelAttention(nn.Module):
             self.output_norm = nn.RMSNorm(head_dim, eps=options.eps)
         elif self.normalization == "output_layer_norm":
             self.output_norm = nn.LayerNorm(head_dim * options.num_heads, eps=options.eps)
+        self.local_window = None  # W = 0: no module, no parameter, today's path
+        if options.local_window:
+            self.local_window = LocalWindow(options, head_dim, query_key_dim, self.feature_dim)
 
     def forward(self, q, k, v, inputs, reuse_inputs=False):
         """``inputs``: the layer's ``AttentionInputs`` (mask, positions, encoding, this path's state for causal
         decoding, a decay's position steps, packed rows' starts; ``consecutive``: each token one past the one before,
         so a decay by distance is the same at every token: nothing to look at); ``reuse_inputs``: q and k are the
         layer's temporaries, which the feature map may overwrite."""
+        if self.local_window is not None:
+            return self.local_window(self, q, k, v, inputs)
         state, starts = inputs.state, inputs.starts
         local_documents = None if starts is None else starts.long().cumsum(-1)
         features, tq, tk = self.encoded_features(q, k, inputs, local_documents, reuse_inputs)
@@ -231,10 +242,11 @@ class KernelAttention(nn.Module):
 
     def takes_plain_road(self, encoding) -> bool:
         """Whether a plain call of this path with ``encoding`` can take ``plain_forward``: a feature map without a
-        stabiliser (the base ``features``) and an encoding that acts on the features alone (no
-        ``encode_query_key``, no value bias)."""
+        stabiliser (the base ``features``), an encoding that acts on the features alone (no ``encode_query_key``, no
+        value bias) and no local window."""
         return (
-            type(self.feature_map).features is FeatureMap.features
+            self.local_window is None
+            and type(self.feature_map).features is FeatureMap.features
             and type(encoding).encode_query_key is PositionalEncoding.encode_query_key
             and not encoding.has_value_bias
         )

@@ -1,0 +1,207 @@
+"""``local_window``: exact softmax over each query's W nearest tokens, linear attention beyond, one normaliser.
+
+Every registered encoding and feature map, causal and bidirectional, padded and packed, against an explicit O(N^2)
+formula written here (the encodings' and maps' matrices from ``tests/reference.py``); the two limits (W at least the
+sequence: ``attention="softmax"`` with the same weights; W = 0: today's layer, its parameters unchanged);
+gradients; decoding token by token and by ``generate``; the refusals."""
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import make_layer
+from reference import feature_map, position_matrix, spe_codes
+
+from lrpe_hf import FEATURE_MAPS, POSITIONAL_ENCODINGS
+
+WINDOW = 3
+
+
+def windowed_layer(encoding, causal, seed=0, **options):
+    """A small float64 layer with a window (``make_layer``), its learned factor away from 1; skips a combination
+    the options refuse for a reason other than the window (and checks that a window refusal names it)."""
+    try:
+        make_layer(encoding, causal=causal, **{**options, "local_window": 0})
+    except ValueError as error:
+        pytest.skip(f"not a valid combination without a window either: {error}")
+    try:
+        layer = make_layer(encoding, causal=causal, seed=seed, **{"local_window": WINDOW, **options})
+    except ValueError as error:
+        assert "local_window" in str(error)
+        pytest.skip(f"refused with a window: {error}")
+    with torch.no_grad():
+        layer.attention.local_window.log_linear_weight.copy_(torch.tensor([-0.7, 0.4], dtype=torch.float64))
+    return layer
+
+
+def documents_of(positions, mask):
+    """Each token's document: a real token whose position is not above the previous real token's starts one."""
+    B, N = mask.shape
+    documents = torch.zeros(B, N, dtype=torch.long)
+    for b in range(B):
+        current, previous = 0, None
+        for i in range(N):
+            if mask[b, i]:
+                if previous is not None and positions[b, i] <= previous:
+                    current += 1
+                previous = int(positions[b, i])
+            documents[b, i] = current
+    return documents
+
+
+def windowed_reference(layer, x, mask, positions=None, draw=None):
+    """The module docstring's formula of ``local_window.py``, term by term, in float64: (B, N, hidden)."""
+    o = layer.options
+    B, N, _ = x.shape
+    H, D, W = layer.num_heads, layer.head_dim, o.local_window
+    x = x.double()
+    if positions is None:
+        positions = ((mask.long().cumsum(-1) - 1).clamp(min=0))[..., None]
+    documents = documents_of(positions[..., 0], mask)
+
+    def proj(linear, t):
+        return t @ linear.weight.double().T + linear.bias.double()
+
+    q, k, v = (proj(lin, x).view(B, N, H, D) for lin in (layer.q_proj, layer.k_proj, layer.v_proj))
+    v = v * mask[:, :, None, None]
+    out = torch.zeros(B, N, H, D, dtype=torch.float64)
+    window = layer.attention.local_window
+    softmax_form = SimpleNamespace(options=o, positional_encoding=window.encoding or layer.positional_encoding)
+    decays = getattr(layer.positional_encoding, "decays", None)
+    index = torch.arange(N)
+    near = (index[:, None] - index[None, :]).abs() < W
+    if o.causal:
+        near &= index[:, None] >= index[None, :]
+    for b in range(B):
+        pos = [tuple(int(c) for c in p) for p in positions[b]]
+        lag = torch.tensor([[pos[s][0] - pos[t][0] for t in range(N)] for s in range(N)], dtype=torch.float64)
+        allowed = mask[b][None, :] & (documents[b][:, None] == documents[b][None, :])
+        if o.causal:
+            allowed &= torch.ones(N, N, dtype=torch.bool).tril()
+        inside, outside = allowed & near, allowed & ~near
+        for h in range(H):
+            qh, kh, vh = q[b, :, h], k[b, :, h], v[b, :, h]
+            if o.positional_encoding in ("spe_sine", "spe_conv"):
+                R = o.spe_realizations
+                qh = torch.einsum("nd,ndr->nr", qh, spe_codes(layer, draw, pos, h, True)) / (D * R) ** 0.25
+                kh = torch.einsum("nd,ndr->nr", kh, spe_codes(layer, draw, pos, h, False)) / (D * R) ** 0.25
+            r = float(decays[h]) if decays is not None and o.causal else 1.0
+
+            def transformed(holder, fq, fk, h=h, pos=pos):
+                mats = [position_matrix(holder, h, p, fq.shape[-1]) for p in pos]
+                tq = torch.stack([mats[s] @ fq[s].to(torch.complex128) for s in range(N)])
+                tk = torch.stack([mats[t] @ fk[t].to(torch.complex128) for t in range(N)])
+                return (tq.conj() @ tk.T).real
+
+            scores = transformed(softmax_form, qh, kh) / math.sqrt(qh.shape[-1]) + math.log(r) * lag.clamp(min=0)
+            fq, fk = feature_map(layer, qh, h), feature_map(layer, kh, h)
+            linear = transformed(layer, fq, fk) * r**lag
+            norm = linear if o.normalization == "denominator" else (fq @ fk.T) * r**lag
+            g = float(window.log_linear_weight[h].detach().exp())
+            soft = torch.where(inside, scores.exp(), torch.zeros_like(scores))
+            linear, norm = (torch.where(outside, t, torch.zeros_like(t)) * g for t in (linear, norm))
+            numerator = (soft + linear) @ vh
+            denominator = soft.sum(-1, keepdim=True) + norm.sum(-1, keepdim=True)
+            out[b, :, h] = numerator / torch.where(denominator == 0, 1.0, denominator)
+            if o.positional_encoding == "fastrpb":  # FastRPB's W V, after the attention, as in every path
+                weights = layer.positional_encoding.weights[0, h].detach().double()
+                bias = weights[o.max_positions - 1 + lag.long()]
+                seen = mask[b][None, :] & (documents[b][:, None] == documents[b][None, :])
+                seen &= lag >= 0 if o.causal else torch.ones_like(seen)
+                bias = torch.where(seen, bias, torch.zeros_like(bias))
+                out[b, :, h] += bias @ vh
+    out = out * mask[:, :, None, None]
+    return proj(layer.o_proj, out.reshape(B, N, H * D))
+
+
+def inputs(causal, packed, batch=2, tokens=11, hidden=16, seed=0):
+    """Row 0 full, row 1 padded (left when causal, right otherwise); packed: positions restart mid-row."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, tokens, hidden, generator=g, dtype=torch.float64)
+    mask = torch.ones(batch, tokens, dtype=torch.bool)
+    if causal:
+        mask[1, :3] = False
+    else:
+        mask[1, -3:] = False
+    positions = None
+    if packed:
+        positions = torch.zeros(batch, tokens, 1, dtype=torch.long)
+        positions[0, :, 0] = torch.cat([torch.arange(6), torch.arange(tokens - 6)])
+        real = torch.arange(int(mask[1].sum()))
+        positions[1, mask[1], 0] = torch.cat([real[:4], real[4:] - 4])
+    return x, mask, positions
+
+
+def check(layer, x, mask, positions=None, atol=1e-8):
+    draw = layer.shared_codes.draw() if layer.shared_codes is not None else None
+    got = layer(x, attention_mask=mask, position_ids=positions, shared_draw=draw)
+    want = windowed_reference(layer, x, mask, positions, draw)
+    torch.testing.assert_close(got, want, atol=atol, rtol=1e-6)
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+@pytest.mark.parametrize("feature", FEATURE_MAPS)
+@pytest.mark.parametrize("encoding", POSITIONAL_ENCODINGS)
+def test_window_matches_quadratic_formula(encoding, feature, causal, layout):
+    layer = windowed_layer(encoding, causal, feature_map=feature, chunk_size=4)
+    check(layer, *inputs(causal, layout == "packed"))
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+@pytest.mark.parametrize("encoding", POSITIONAL_ENCODINGS)
+def test_a_window_over_the_whole_sequence_is_softmax_attention(encoding, causal):
+    try:
+        softmax = make_layer(encoding, attention="softmax", causal=causal)
+    except ValueError as error:
+        pytest.skip(str(error))
+    layer = windowed_layer(encoding, causal, feature_map="elu", local_window=1000)
+    missing, unexpected = layer.load_state_dict(softmax.state_dict(), strict=False)
+    assert missing == ["attention.local_window.log_linear_weight"] and not unexpected
+    x, mask, _ = inputs(causal, packed=False)
+    draw = softmax.shared_codes.draw() if softmax.shared_codes is not None else None
+    want = softmax(x, attention_mask=mask, shared_draw=draw)
+    torch.testing.assert_close(layer(x, attention_mask=mask, shared_draw=draw), want, atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.parametrize("encoding", POSITIONAL_ENCODINGS)
+def test_no_window_is_todays_layer(encoding):
+    causal = True
+    today = make_layer(encoding, causal=causal)
+    off = make_layer(encoding, causal=causal, local_window=0)
+    assert list(off.state_dict()) == list(today.state_dict())
+    assert off.attention.local_window is None
+    x, mask, _ = inputs(causal, packed=False)
+    draw = today.shared_codes.draw() if today.shared_codes is not None else None
+    assert torch.equal(off(x, attention_mask=mask, shared_draw=draw), today(x, attention_mask=mask, shared_draw=draw))
+
+
+def test_models_without_a_window_keep_their_parameters():
+    from lrpe_hf import LinearGPTConfig, LinearGPTForCausalLM
+
+    sizes = dict(vocab_size=50, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32)
+    today = LinearGPTForCausalLM(LinearGPTConfig(**sizes))
+    off = LinearGPTForCausalLM(LinearGPTConfig(**sizes, local_window=0))
+    on = LinearGPTForCausalLM(LinearGPTConfig(**sizes, local_window=4))
+    assert list(off.state_dict()) == list(today.state_dict())
+    extra = set(on.state_dict()) - set(today.state_dict())
+    name = "model.stack.layers.{}.self_attn.attention.local_window.log_linear_weight"
+    assert extra == {name.format(i) for i in range(2)}, extra
+    assert all(float(p.abs().max()) == 0 for n, p in on.named_parameters() if "log_linear_weight" in n)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+@pytest.mark.parametrize("encoding", ["rope", "permute", "spe_sine", "fastrpb"])
+def test_gradients_reach_the_factor_and_match_the_formula(encoding, causal):
+    layer = windowed_layer(encoding, causal, feature_map="elu", chunk_size=4)
+    x, mask, positions = inputs(causal, packed=True)
+    draw = layer.shared_codes.draw() if layer.shared_codes is not None else None
+    x = x.requires_grad_()
+    got = layer(x, attention_mask=mask, position_ids=positions, shared_draw=draw)
+    (grad_x,) = torch.autograd.grad(got.square().sum(), x, retain_graph=True)
+    factor = layer.attention.local_window.log_linear_weight
+    (grad_factor,) = torch.autograd.grad(got.square().sum(), factor)
+    assert grad_factor.abs().min() > 0
+    want = windowed_reference(layer, x, mask, positions, draw)
+    torch.testing.assert_close(torch.autograd.grad(want.square().sum(), x)[0], grad_x, atol=1e-8, rtol=1e-6)
