@@ -13,7 +13,7 @@ import torch
 from conftest import make_layer
 from reference import feature_map, position_matrix, spe_codes
 
-from lrpe_hf import FEATURE_MAPS, POSITIONAL_ENCODINGS
+from lrpe_hf import FEATURE_MAPS, POSITIONAL_ENCODINGS, LinearAttentionState
 
 WINDOW = 3
 
@@ -205,3 +205,130 @@ def test_gradients_reach_the_factor_and_match_the_formula(encoding, causal):
     assert grad_factor.abs().min() > 0
     want = windowed_reference(layer, x, mask, positions, draw)
     torch.testing.assert_close(torch.autograd.grad(want.square().sum(), x)[0], grad_x, atol=1e-8, rtol=1e-6)
+
+
+@pytest.mark.parametrize("feature", ["elu", "exp"])
+@pytest.mark.parametrize("encoding", POSITIONAL_ENCODINGS)
+def test_decoding_token_by_token_equals_the_full_forward(encoding, feature):
+    """A prompt of 5 tokens, then one token a call (and a call of 3): the state keeps the last W tokens beside the
+    linear state of the older ones, in tensors whose shapes never change."""
+    layer = windowed_layer(encoding, True, feature_map=feature, chunk_size=4)
+    x, mask, _ = inputs(True, packed=False, tokens=14)
+    draw = layer.shared_codes.draw() if layer.shared_codes is not None else None
+    want = layer(x, attention_mask=mask, shared_draw=draw)
+    state = LinearAttentionState()
+    pieces = [layer(x[:, :5], attention_mask=mask[:, :5], state=state, shared_draw=draw)]
+    shapes = {n: t.shape for n, t in vars(state.path.window).items() if isinstance(t, torch.Tensor)}
+    for start, end in [(5, 6), (6, 7), (7, 10), (10, 11), (11, 12), (12, 13), (13, 14)]:
+        pieces.append(layer(x[:, start:end], attention_mask=mask[:, start:end], state=state, shared_draw=draw))
+        window = state.path.window
+        assert {n: t.shape for n, t in vars(window).items() if isinstance(t, torch.Tensor)} == shapes
+    torch.testing.assert_close(torch.cat(pieces, dim=1), want, atol=1e-10, rtol=1e-8)
+
+
+def test_decoding_packed_rows_equals_the_full_forward():
+    layer = windowed_layer("permute", True, feature_map="relu", chunk_size=4)
+    x, mask, positions = inputs(True, packed=True)
+    want = layer(x, attention_mask=mask, position_ids=positions)
+    state = LinearAttentionState()
+    pieces = [layer(x[:, :4], attention_mask=mask[:, :4], position_ids=positions[:, :4], state=state)]
+    for i in range(4, x.shape[1]):
+        step = slice(i, i + 1)
+        pieces.append(layer(x[:, step], attention_mask=mask[:, step], position_ids=positions[:, step], state=state))
+    torch.testing.assert_close(torch.cat(pieces, dim=1), want, atol=1e-10, rtol=1e-8)
+
+
+@pytest.mark.parametrize("encoding", ["rope", "lrpe_orthogonal", "permute", "spe_sine", "fastrpb"])
+def test_generate_on_a_left_padded_batch_equals_the_full_forward(encoding):
+    from lrpe_hf import LinearGPTConfig, LinearGPTForCausalLM
+
+    torch.manual_seed(0)
+    config = LinearGPTConfig(
+        vocab_size=40, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
+        positional_encoding=encoding, local_window=4, max_position_embeddings=64, spe_realizations=4,
+        spe_kernel_size=3, pad_token_id=0, eos_token_id=None, bos_token_id=None,
+    )  # fmt: skip
+    model = LinearGPTForCausalLM(config).double().eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "log_linear_weight" in name:
+                parameter.normal_(0.0, 1.0)
+    prompt = torch.randint(1, 40, (2, 7))
+    mask = torch.ones_like(prompt)
+    prompt[1, :3], mask[1, :3] = 0, 0
+    out = model.generate(
+        prompt, attention_mask=mask, max_new_tokens=9, do_sample=False, output_logits=True,
+        return_dict_in_generate=True,
+    )  # fmt: skip
+    sequences = out.sequences
+    full_mask = torch.cat([mask, torch.ones(2, sequences.shape[1] - 7, dtype=mask.dtype)], dim=1)
+    with torch.no_grad():
+        logits = model(sequences, attention_mask=full_mask).logits
+    steps = torch.stack(out.logits, dim=1).to(logits.dtype)  # (B, new tokens, vocab)
+    torch.testing.assert_close(steps, logits[:, 6:-1], atol=1e-9, rtol=1e-7)
+
+
+@pytest.mark.parametrize(
+    "options,message",
+    [
+        (dict(local_window=-1), "local_window must be a whole number of tokens >= 0"),
+        (dict(local_window=2.5), "local_window must be a whole number"),
+        (dict(local_window=True), "local_window must be a whole number"),
+        (dict(local_window=4, attention="softmax"), "local_window .* needs attention='linear'"),
+        (dict(local_window=4, position_dims=2, positional_encoding="rope"), "local_window counts .* 2D window"),
+        (dict(local_window=4, normalization="output_norm"), "local_window shares one normaliser.*output_norm"),
+        (dict(local_window=4, positional_encoding="rope", feature_map="dpfp"), "denominator or unrotated_denominator"),
+    ],
+)
+def test_what_a_window_cannot_do_is_refused_by_name(options, message):
+    from lrpe_hf import AttentionOptions, LinearRobertaConfig
+
+    with pytest.raises(ValueError, match=message):
+        AttentionOptions(**options)
+    if "position_dims" not in options:
+        config_options = {k: v for k, v in options.items() if k != "position_dims"}
+        with pytest.raises(ValueError, match=message):
+            LinearRobertaConfig(vocab_size=20, hidden_size=16, num_attention_heads=2, **config_options)
+
+
+def test_vit_refuses_a_window():
+    from lrpe_hf import LinearViTConfig
+
+    with pytest.raises(ValueError, match="local_window counts .*LinearViT"):
+        LinearViTConfig(hidden_size=16, num_attention_heads=2, local_window=4)
+
+
+def test_context_parallelism_refuses_a_window():
+    """One process as a group of one: the refusal comes before any collective."""
+    from test_context_parallel import free_port
+
+    from lrpe_hf.modeling.context_parallel import context_parallel
+
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        layer = make_layer("rope", causal=True, local_window=4)
+        with context_parallel(), pytest.raises(ValueError, match="Context parallelism does not take local_window"):
+            layer(torch.randn(1, 8, 16, dtype=torch.float64))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+@pytest.mark.parametrize("encoding", ["rope", "permute", "fastrpb"])
+def test_generate_with_a_compiled_forward_mutates_only_static_inputs(encoding):
+    """The window's decoding state keeps its shapes: compiled steps write it in place, as the linear states."""
+    from test_compiled_steps import TINY, MutationRecorder
+
+    from lrpe_hf import LinearGPTConfig, LinearGPTForCausalLM
+
+    torch.manual_seed(0)
+    config = LinearGPTConfig(vocab_size=60, positional_encoding=encoding, local_window=3, max_position_embeddings=64,
+                             **TINY)  # fmt: skip
+    model = LinearGPTForCausalLM(config).eval()
+    ids = torch.randint(3, 60, (1, 8), generator=torch.Generator().manual_seed(0))
+    eager = model.generate(ids, max_new_tokens=5, do_sample=False)
+    torch._dynamo.reset()
+    recorder = MutationRecorder()
+    model.forward = torch.compile(model.forward, backend=recorder)
+    assert torch.equal(model.generate(ids, max_new_tokens=5, do_sample=False), eager)
+    if encoding != "fastrpb":  # FastRPB's value history grows (a new shape at each growth), as without a window
+        assert all(not mutated for mutated in recorder.graphs), f"mutated inputs that are not static: {recorder.graphs}"

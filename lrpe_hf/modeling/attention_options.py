@@ -151,12 +151,12 @@ class AttentionOptions:
                 "local_window=0 with position_dims=2 (LinearViT)"
             )
         if self.normalization not in WINDOW_NORMALIZATIONS:
+            positive = [name for name, entry in FEATURE_MAP_REGISTRY.items() if entry.is_positive(self)]
             raise ValueError(
                 f"local_window shares one normaliser between its softmax and linear parts: it needs normalization "
-                f"{' or '.join(WINDOW_NORMALIZATIONS)}, got {self.normalization!r} (output_norm and "
-                "output_layer_norm have no denominator to share; with feature_map="
-                f"{self.feature_map!r} and {self.positional_encoding!r} no denominator may be valid: use elu, relu, "
-                "exp, performer or hedgehog)"
+                f"{' or '.join(WINDOW_NORMALIZATIONS)}, got {self.normalization!r}, which has no denominator to "
+                "share. (Signed encodings, rope and lrpe_*, take only the output norms with a feature map whose "
+                f"features can be exactly zero: use a strictly positive one, {', '.join(positive)}.)"
             )
 
     def _set_feature_map_and_normalization(self, encoding):
