@@ -9,14 +9,20 @@ from lrpe_hf.modeling.registry import positional_encoding_entry
 
 
 def test_public_name_lists_are_the_registries():
-    """The public lists are the registries' names, the built-ins first in the order they register (a component a
-    user or a new module registers comes after them)."""
+    """The public lists are the registries' names, live and in the order they were registered: a component
+    registered now is listed last, and is gone once removed."""
     from lrpe_hf.modeling.registry import FEATURE_MAP_REGISTRY, POSITIONAL_ENCODING_REGISTRY
 
     assert lrpe_hf.POSITIONAL_ENCODINGS == tuple(POSITIONAL_ENCODING_REGISTRY)
     assert lrpe_hf.FEATURE_MAPS == tuple(FEATURE_MAP_REGISTRY)
-    assert lrpe_hf.POSITIONAL_ENCODINGS[:3] == ("none", "rope", "lrpe_unitary")
-    assert lrpe_hf.FEATURE_MAPS[:2] == ("elu", "relu")
+    lrpe_hf.register_positional_encoding("listed_last", lambda o, h, d, m: lrpe_hf.PositionalEncoding())
+    lrpe_hf.register_feature_map("listed_last", lambda o, d: lrpe_hf.FeatureMap(d))
+    try:
+        assert lrpe_hf.POSITIONAL_ENCODINGS[-1] == lrpe_hf.FEATURE_MAPS[-1] == "listed_last"
+    finally:
+        POSITIONAL_ENCODING_REGISTRY.pop("listed_last")
+        FEATURE_MAP_REGISTRY.pop("listed_last")
+    assert "listed_last" not in lrpe_hf.POSITIONAL_ENCODINGS and "listed_last" not in lrpe_hf.FEATURE_MAPS
 
 
 @pytest.mark.parametrize(

@@ -307,7 +307,9 @@ def test_compiled_training_layer_has_the_eager_values_and_gradients(encoding, mo
 COMPILED_LAYERS = [(encoding, feature_map) for encoding in lrpe_hf.POSITIONAL_ENCODINGS if encoding != "spe_conv"
                    for feature_map in ("elu", second_feature_map(encoding))]  # fmt: skip
 COMPILED_LAYERS += [("lrpe_orthogonal", "hedgehog"), ("none", "t2r")]  # the learnable maps, which linearize uses
-assert {feature_map for _, feature_map in COMPILED_LAYERS} == set(lrpe_hf.FEATURE_MAPS)
+COMPILED_LAYERS += [  # every other registered map, with no encoding
+    ("none", feature_map) for feature_map in lrpe_hf.FEATURE_MAPS if feature_map not in {f for _, f in COMPILED_LAYERS}
+]
 
 
 @pytest.mark.parametrize("encoding, feature_map", COMPILED_LAYERS)

@@ -5,6 +5,7 @@ registered for this module's tests only, through the invariance tests every buil
 gets the same tests from the registry's names, with no list to update."""
 
 import pytest
+import test_models as models
 import test_properties as properties
 import torch
 from torch.nn import functional as F
@@ -70,6 +71,14 @@ def test_the_toy_encoding_passes_the_invariances(attention):
 @pytest.mark.parametrize("encoding", [TOY_ENCODING, "none", "rope"])
 def test_the_toy_feature_map_trains_with_encodings(encoding):
     properties.test_every_encoding_with_every_feature_map_trains(encoding, TOY_MAP)
+
+
+@pytest.mark.parametrize("encoding", [TOY_ENCODING, "rope"])
+def test_the_toys_train_compiled_in_one_graph(encoding):
+    """The toy map, a plain ``F.softplus`` that takes no care of its input's layout (a strided view of the joined
+    projections), and the toy encoding compile in one graph with the eager layer's values and gradients, as every
+    built-in component does (the contract ``FeatureMap`` states)."""
+    models.test_a_causal_layer_compiles_to_one_graph_with_the_eager_values_and_gradients(encoding, TOY_MAP)
 
 
 def test_the_shift_check_sees_the_toy_rotation():

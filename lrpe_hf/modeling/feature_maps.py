@@ -41,7 +41,17 @@ class Features:
 
 class FeatureMap(Reinitialisable):
     """Base class: the identity map. Subclasses override ``forward`` and, if the width changes, ``output_dim``;
-    one with parameters or buffers gives their values in ``initial_values()``."""
+    one with parameters or buffers gives their values in ``initial_values()``.
+
+    The contract of ``forward(x)``: x (B, H, N, D) in the projections' dtype, often a strided view (q and k are
+    views of one joined projection, tokens first in memory), never to be written into (``in_place`` may); it returns
+    a new tensor (B, H, N, m) in any layout and, under autocast, any float dtype (the path takes the layout and dtype
+    it is given). A plain function of x (``F.softplus(x)``) meets it, eagerly and compiled: compiled, the path hands
+    such a map contiguous q and k (the copy fused into the map), because an elementwise op's backward on a strided
+    view can come out in other strides than the compiler traced (its decomposition's), and a view of the gradient
+    then fails; a map whose compiled form was tested on the strided views says ``compiles_on_strided_inputs``."""
+
+    compiles_on_strided_inputs = False
 
     def __init__(self, input_dim: int):
         super().__init__()
@@ -67,8 +77,11 @@ class FeatureMap(Reinitialisable):
         q and k are the caller's temporaries, which the map may overwrite (``in_place``) when no gradient is
         wanted: two full-size allocations fewer in evaluation and decoding. Not while compiling: the compiler plans
         the buffers itself, and a write into a strided view of the projections breaks its graph."""
-        if reuse_inputs and not wants_gradient(q, k) and not torch.compiler.is_compiling():
+        compiling = torch.compiler.is_compiling()
+        if reuse_inputs and not wants_gradient(q, k) and not compiling:
             fq, fk = self.in_place(q), self.in_place(k)
+        elif compiling and not self.compiles_on_strided_inputs:  # see the class's contract
+            fq, fk = self.of_both(q.contiguous(), k.contiguous())
         else:
             fq, fk = self.of_both(q, k)
         if mask is not None:
@@ -155,6 +168,8 @@ class ShiftedElu(torch.autograd.Function):
 class EluFeatureMap(FeatureMap):
     """phi(x) = 1 + elu(x) (Katharopoulos et al. 2020, eq. 7), the LRPE paper's baseline kernel."""
 
+    compiles_on_strided_inputs = True
+
     def forward(self, x):
         if torch.compiler.is_compiling():  # plain ops, which the compiler fuses and differentiates (not elu's
             return x.clamp_min(0.0) + x.clamp_max(0.0).exp()  # backward: its strides disagree with its meta's)
@@ -191,6 +206,8 @@ class ShiftedRelu(torch.autograd.Function):
 class ReluFeatureMap(FeatureMap):
     """phi(x) = max(x, 0) + eps (PermuteFormer eq. 15, eps = 1e-3)."""
 
+    compiles_on_strided_inputs = True
+
     def __init__(self, input_dim: int, eps: float = 1e-3):
         super().__init__(input_dim)
         if eps < 0:
@@ -211,6 +228,8 @@ class DPFPFeatureMap(FeatureMap):
 
     r = [relu(x), relu(-x)]; phi(x) = concat_{i=1..nu} r * roll(r, i).
     """
+
+    compiles_on_strided_inputs = True
 
     def __init__(self, input_dim: int, nu: int = 1):
         super().__init__(input_dim)
@@ -354,6 +373,8 @@ class HedgehogFeatureMap(FeatureMap):
     (Zhang et al. 2024, "The Hedgehog & the Porcupine", section 4.1): spiky, non-negative features that can be
     trained to mimic softmax attention. Width 2 D."""
 
+    compiles_on_strided_inputs = True
+
     def __init__(self, input_dim: int, num_heads: int):
         super().__init__(input_dim)
         self.num_heads = num_heads
@@ -374,6 +395,8 @@ class HedgehogFeatureMap(FeatureMap):
 class T2RFeatureMap(FeatureMap):
     """phi(x) = relu(W_h x + b_h), a learned single-layer ReLU map per head (Kasai et al. 2021, "Finetuning
     Pretrained Transformers into RNNs", eq. 5), with m = ``num_features`` outputs (default D)."""
+
+    compiles_on_strided_inputs = True
 
     def __init__(self, input_dim: int, num_heads: int, num_features: int | None = None):
         super().__init__(input_dim)
