@@ -12,6 +12,7 @@ import pytest
 import torch
 from conftest import make_layer
 from reference import feature_map, position_matrix, spe_codes
+from test_triton_adapter import fla_calls, interpreted_kernels, kernels, triton_path_on_the_cpu  # noqa: F401
 
 from lrpe_hf import FEATURE_MAPS, POSITIONAL_ENCODINGS, LinearAttentionState
 
@@ -332,3 +333,34 @@ def test_generate_with_a_compiled_forward_mutates_only_static_inputs(encoding):
     assert torch.equal(model.generate(ids, max_new_tokens=5, do_sample=False), eager)
     if encoding != "fastrpb":  # FastRPB's value history grows (a new shape at each growth), as without a window
         assert all(not mutated for mutated in recorder.graphs), f"mutated inputs that are not static: {recorder.graphs}"
+
+
+@pytest.mark.parametrize("encoding", ["rope", "permute", "none"])
+def test_the_linear_part_runs_on_flas_kernels(triton_path_on_the_cpu, encoding):  # noqa: F811 (a fixture)
+    """With kernel_backend='triton' the product beyond the window is fla's (its torch references, and its Triton
+    kernels under the interpreter: ``tests/test_triton_adapter.py``'s fixtures), and the layer equals the torch
+    path's, forward, gradients and decoding."""
+    from test_triton_adapter import forward_and_gradients, packed_inputs
+
+    calls = triton_path_on_the_cpu
+    feature_map = {"none": "exp"}.get(encoding, "elu")
+    layers = [
+        make_layer(encoding, hidden_size=18, feature_map=feature_map, causal=True, kernel_backend=backend,
+                   local_window=8).float()
+        for backend in ("triton", "torch")
+    ]  # fmt: skip
+    x, mask, positions = packed_inputs()
+    out, grads = forward_and_gradients(layers[0], x, attention_mask=mask, position_ids=positions)
+    want, want_grads = forward_and_gradients(layers[1], x, attention_mask=mask, position_ids=positions)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-4)
+    for got, expected in zip(grads, want_grads):
+        torch.testing.assert_close(got, expected, atol=1e-5 * float(expected.abs().max()), rtol=1e-4)
+    state = LinearAttentionState()
+    with torch.no_grad():
+        pieces = [layers[0](x[:, :96], attention_mask=mask[:, :96], position_ids=positions[:, :96], state=state)]
+        for t in range(96, 100):
+            span = slice(t, t + 1)
+            pieces.append(layers[0](x[:, span], attention_mask=mask[:, span], position_ids=positions[:, span],
+                                    state=state))  # fmt: skip
+    torch.testing.assert_close(torch.cat(pieces, dim=1), want, atol=1e-5, rtol=1e-4)
+    assert "chunked" in {name for name, *_ in calls}
