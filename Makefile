@@ -140,6 +140,9 @@ $(TRITON_TARGET)/.installed: Makefile $(VENV)/.installed
 
 test-triton: $(TRITON_TARGET)/.installed
 	TRITON_INTERPRET=1 PYTHONPATH=$(TRITON_TARGET) $(PYTHON) -m pytest -q -p no:cacheprovider tests/test_triton_adapter.py
+	# the interpreter is set up once per process: the local window's run on fla's kernels takes a process of its own
+	TRITON_INTERPRET=1 PYTHONPATH=$(TRITON_TARGET) $(PYTHON) -m pytest -q -p no:cacheprovider \
+		tests/test_local_window.py::test_the_linear_part_runs_on_flas_kernels
 
 # The GPU check (benchmarks/gpu_check.py): on a machine with a CUDA GPU, its own Python (GPU_PYTHON) with torch,
 # transformers and accelerate, and fla-core (`pip install ".[gpu]"`, or its wheel unpacked on PYTHONPATH), from this
