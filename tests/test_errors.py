@@ -169,9 +169,14 @@ def test_pixel_values_of_another_shape_or_dtype_are_refused_at_the_models_entry(
 
 
 @pytest.mark.parametrize(
-    "config_class", [lrpe_hf.LinearGPTConfig, lrpe_hf.LinearRobertaConfig, lrpe_hf.LinearViTConfig]
+    "config_class, field",
+    [
+        (config_class, field)
+        for config_class in (lrpe_hf.LinearGPTConfig, lrpe_hf.LinearRobertaConfig, lrpe_hf.LinearViTConfig)
+        for field in ("num_attention_heads", "num_hidden_layers", "hidden_size", "intermediate_size")
+    ]
+    + [(lrpe_hf.LinearViTConfig, field) for field in ("image_size", "patch_size", "num_channels")],
 )
-@pytest.mark.parametrize("field", ["num_attention_heads", "num_hidden_layers", "hidden_size", "intermediate_size"])
 @pytest.mark.parametrize("value", [0, -1, 2.5])
 def test_a_config_refuses_a_size_below_one_naming_the_field(config_class, field, value):
     with pytest.raises(ValueError, match=f"{config_class.__name__}: {field} must be a whole number of at least 1, got"):

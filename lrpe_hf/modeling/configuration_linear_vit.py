@@ -35,6 +35,7 @@ class LinearViTConfig(LinearAttentionConfig):
     initializer_range: float = 0.02
 
     def __post_init__(self, **kwargs):
+        self._check_sizes()  # before the multiple check divides by patch_size
         if self.image_size % self.patch_size:
             raise ValueError(f"image_size ({self.image_size}) must be a multiple of patch_size ({self.patch_size})")
         super().__post_init__(**kwargs)
