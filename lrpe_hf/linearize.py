@@ -410,9 +410,10 @@ def vit(source, fields):
 
 # ---------------------------------------------------------------- attention transfer (stage 1 of linearizing)
 def transfer_parameters(student) -> list:
-    """The parameters attention transfer trains: the feature maps', the encodings' and their shared codes'.
+    """The parameters attention transfer trains: the feature maps', the encodings' and their shared codes', and
+    with a ``local_window`` its factor between the two parts (and the window's own encoding, where it has one).
     Everything else keeps the teacher's weights."""
-    names = (".feature_map.", ".positional_encoding.", "shared_codes.")
+    names = (".feature_map.", ".positional_encoding.", "shared_codes.", ".local_window.")
     return [p for name, p in student.named_parameters() if p.requires_grad and any(part in name for part in names)]
 
 

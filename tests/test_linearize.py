@@ -105,6 +105,33 @@ def test_softmax_conversion_of_text_models_is_exact(case):
     assert_same_outputs(original, converted, inputs, inputs["attention_mask"])
 
 
+@pytest.mark.parametrize("case", ["gpt2-lm", "roberta-classification", "bert-mlm"])
+def test_a_student_whose_local_window_covers_the_input_is_its_teacher(case):
+    """``linearize(..., local_window=W)``: with W at least the input's length every query attends by exact softmax
+    to every key it sees (no token is left to the linear part), so the student, causal or bidirectional, gives its
+    teacher's outputs, whatever its feature map; the window's factor is among the parameters attention transfer
+    trains."""
+    make, _, pad = CASES[case]
+    torch.manual_seed(0)
+    original = make()
+    student = lrpe_hf.linearize(original, **{**EXACT, "attention": "linear", "local_window": 64})
+    inputs = text_inputs(pad, padded=not case.startswith("gpt2"))
+    assert_same_outputs(original, student, inputs, inputs["attention_mask"])
+    factors = [name for name, _ in student.named_parameters() if name.endswith("local_window.log_linear_weight")]
+    trained = {id(p) for p in lrpe_hf.linearize_transfer_parameters(student)}
+    assert factors and all(id(student.get_parameter(name)) in trained for name in factors)
+
+
+def test_run_linearize_takes_the_local_window():
+    """``run_linearize --local_window 64`` (as every run script) builds the student with the window."""
+    from transformers import HfArgumentParser
+
+    from lrpe_hf.training.arguments import ModelArguments
+
+    (arguments,) = HfArgumentParser(ModelArguments).parse_args_into_dataclasses(["--local_window", "64"])
+    assert arguments.config_fields() == {"local_window": 64}
+
+
 @pytest.mark.parametrize("model_class", [BertForMaskedLM, BertForSequenceClassification])
 def test_a_linearized_bert_reads_sentence_pairs_as_bert_does(model_class, tmp_path):
     """BERT's tokenizer gives the second sentence of a pair token type 1: the segment table carries over, so the
@@ -270,6 +297,7 @@ def test_unsupported_architectures_are_named():
         ("output_mse", dict(positional_encoding="spe_sine", feature_map="t2r")),
         ("attention_ce", dict(positional_encoding="none", feature_map="hedgehog")),
         ("attention_ce", dict(positional_encoding="permute", feature_map="hedgehog")),
+        ("output_mse", dict(feature_map="hedgehog", local_window=4)),  # the window's factor trains too
     ],
 )
 def test_one_attention_transfer_step_lowers_the_transfer_loss(loss, fields):

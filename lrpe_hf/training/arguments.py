@@ -29,6 +29,10 @@ class ModelArguments:
     feature_map: str | None = field(default=None, metadata={"help": f"one of {', '.join(FEATURE_MAPS)}"})
     absolute_position_embedding: str | None = field(default=None, metadata={"help": "none, sinusoidal or learned"})
     attention: str | None = field(default=None, metadata={"help": "linear or softmax"})
+    local_window: int | None = field(
+        default=None,
+        metadata={"help": "W: exact softmax over each query's W nearest tokens, linear attention beyond (0: off)"},
+    )
     hidden_size: int | None = field(default=None, metadata={"help": "model width (new models)"})
     num_hidden_layers: int | None = field(default=None, metadata={"help": "number of layers (new models)"})
     num_attention_heads: int | None = field(default=None, metadata={"help": "attention heads (new models)"})
@@ -56,6 +60,7 @@ class ModelArguments:
             "feature_map",
             "absolute_position_embedding",
             "attention",
+            "local_window",
             "hidden_size",
             "num_hidden_layers",
             "num_attention_heads",

@@ -205,7 +205,10 @@ def main(args=None):
         )
 
     if training_args.process_index == 0:
-        names = ("attention", "positional_encoding", "feature_map", "normalization", "absolute_position_embedding")
+        names = (
+            "attention", "positional_encoding", "feature_map", "normalization", "local_window",
+            "absolute_position_embedding",
+        )  # fmt: skip
         student_fields = {name: getattr(student.config, name) for name in names}
         summary = dict(teacher=model_args.model_name_or_path, task=task, student=student_fields, **results)
         (output / "linearize_results.json").write_text(json.dumps(summary, indent=2, default=str))
