@@ -168,11 +168,14 @@ def test_pixel_values_of_another_shape_or_dtype_are_refused_at_the_models_entry(
     assert model(pixel_values=torch.zeros(1, 3, 32, 32)).logits.shape == (1, 2)
 
 
+CONFIG_CLASSES = (lrpe_hf.LinearGPTConfig, lrpe_hf.LinearRobertaConfig, lrpe_hf.LinearViTConfig)
+
+
 @pytest.mark.parametrize(
     "config_class, field",
     [
         (config_class, field)
-        for config_class in (lrpe_hf.LinearGPTConfig, lrpe_hf.LinearRobertaConfig, lrpe_hf.LinearViTConfig)
+        for config_class in CONFIG_CLASSES
         for field in ("num_attention_heads", "num_hidden_layers", "hidden_size", "intermediate_size")
     ]
     + [(lrpe_hf.LinearViTConfig, field) for field in ("image_size", "patch_size", "num_channels")],
@@ -181,6 +184,25 @@ def test_pixel_values_of_another_shape_or_dtype_are_refused_at_the_models_entry(
 def test_a_config_refuses_a_size_below_one_naming_the_field(config_class, field, value):
     with pytest.raises(ValueError, match=f"{config_class.__name__}: {field} must be a whole number of at least 1, got"):
         config_class(**{field: value})
+
+
+@pytest.mark.parametrize(
+    "config_class, field",
+    [(config_class, "hidden_dropout_prob") for config_class in CONFIG_CLASSES]
+    + [(lrpe_hf.LinearRobertaConfig, "classifier_dropout")],
+)
+@pytest.mark.parametrize("value", [1.5, -0.1, float("nan"), "0.1", True])
+def test_a_config_refuses_a_dropout_probability_outside_zero_one_naming_the_field(config_class, field, value):
+    with pytest.raises(ValueError, match=rf"{config_class.__name__}: {field} must be a number in \[0, 1\], got"):
+        config_class(**{field: value})
+
+
+@pytest.mark.parametrize("value", [0, 0.0, 0.5, 1, 1.0])
+def test_a_config_takes_a_dropout_probability_in_zero_one(value):
+    for config_class in CONFIG_CLASSES:
+        assert config_class(hidden_dropout_prob=value).hidden_dropout_prob == value
+    assert lrpe_hf.LinearRobertaConfig(classifier_dropout=value).classifier_dropout == value
+    assert lrpe_hf.LinearRobertaConfig().classifier_dropout is None
 
 
 def test_a_config_refuses_another_familys_field_by_its_name():

@@ -29,6 +29,9 @@ SIZE_FIELDS = (
     "max_position_embeddings", "type_vocab_size", "image_size", "patch_size", "num_channels",
 )  # fmt: skip
 
+# Dropout probabilities, where a family's config has them: each a number in [0, 1] (classifier_dropout may be None).
+PROBABILITY_FIELDS = ("hidden_dropout_prob", "classifier_dropout")
+
 
 class LinearAttentionConfig(PreTrainedConfig, AttentionConfigFields):
     """Base class: the positional encoding, feature map and attention options of every layer.
@@ -56,6 +59,7 @@ class LinearAttentionConfig(PreTrainedConfig, AttentionConfigFields):
         self._refuse_misspelt_fields(kwargs)
         super().__post_init__(**kwargs)
         self._check_sizes()
+        self._check_probabilities()
         if self.absolute_position_embedding not in ABSOLUTE_POSITION_EMBEDDINGS:
             raise ValueError(
                 f"Unknown absolute_position_embedding {self.absolute_position_embedding!r}; valid values: "
@@ -75,6 +79,16 @@ class LinearAttentionConfig(PreTrainedConfig, AttentionConfigFields):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{type(self).__name__}: {name} must be a whole number of at least 1, got {value!r}")
+
+    def _check_probabilities(self):
+        """Every dropout probability the config has (``PROBABILITY_FIELDS``) a number in [0, 1], refused by its name
+        otherwise (torch's Dropout would refuse it only when the model is built, without naming the field)."""
+        for name in (name for name in PROBABILITY_FIELDS if name in self.__dataclass_fields__):
+            value = getattr(self, name)
+            if value is None and name == "classifier_dropout":
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+                raise ValueError(f"{type(self).__name__}: {name} must be a number in [0, 1], got {value!r}")
 
     def _refuse_misspelt_fields(self, extra: dict):
         """A config keeps any other keyword as an attribute (as every Transformers config does: files saved by other
