@@ -153,6 +153,16 @@ def test_token_inputs_of_another_shape_dtype_or_range_are_refused_at_the_models_
     assert model(inputs_embeds=torch.randn(2, 5, 32)).logits.shape == (2, 5, 60)
 
 
+def test_generate_refuses_an_empty_prompt_asking_for_one_token():
+    """An empty prompt with no cache asks for a prompt of at least one token (it spoke of continuing a cache before,
+    though none was given)."""
+    model = lrpe_hf.LinearGPTForCausalLM(lrpe_hf.LinearGPTConfig(vocab_size=60, bos_token_id=0, **SMALL_SIZES)).eval()
+    with pytest.raises(ValueError, match="generate needs a prompt of at least one token") as refusal:
+        model.generate(torch.ones(1, 0, dtype=torch.long), max_new_tokens=2)
+    assert "cache" not in str(refusal.value)
+    assert model.generate(torch.zeros(1, 1, dtype=torch.long), max_new_tokens=2, do_sample=False).shape == (1, 3)
+
+
 def test_pixel_values_of_another_shape_or_dtype_are_refused_at_the_models_entry():
     model = lrpe_hf.LinearViTForImageClassification(lrpe_hf.LinearViTConfig(image_size=32, patch_size=8, **SMALL_SIZES))
     refused = [

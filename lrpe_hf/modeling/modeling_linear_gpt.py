@@ -214,6 +214,11 @@ class LinearGPTForCausalLM(LinearGPTPreTrainedModel, GenerationMixin):
         given_positions = kwargs.get("position_ids") is not None
         uncached = kwargs.get("next_sequence_length")
         if kwargs.get("is_first_iteration") and uncached is not None and uncached <= 0:
+            if input_ids.shape[1] == uncached:  # nothing cached: the prompt itself is empty
+                raise ValueError(
+                    f"generate got a prompt of {input_ids.shape[1]} tokens: generate needs a prompt of at least one "
+                    "token (e.g. the bos_token_id) to start from"
+                )
             raise ValueError(
                 f"generate got {input_ids.shape[1]} tokens with a cache that has seen {input_ids.shape[1] - uncached}: "
                 "to continue from a cache, pass the whole sequence it was built from followed by new tokens (the "
