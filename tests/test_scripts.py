@@ -111,6 +111,9 @@ def test_clm_training(workspace):
     tokenizer = AutoTokenizer.from_pretrained(out)
     generated = model.generate(**tokenizer("The", return_tensors="pt"), max_new_tokens=4, do_sample=False)
     assert generated.shape[1] >= 2
+    assert tokenizer.padding_side == "left"  # batched prompts end with their last token, where generate continues
+    batch = tokenizer(["The", "The river flows"], return_tensors="pt", padding=True)
+    assert batch["attention_mask"][0, -1] == 1 and batch["attention_mask"][0, 0] == 0
 
 
 CARD_SNIPPET = """

@@ -1,5 +1,6 @@
 """Pretraining pipeline shared by run_mlm.py (LinearRoberta) and run_clm.py (LinearGPT)."""
 
+import copy
 import functools
 import math
 from dataclasses import dataclass, field
@@ -133,6 +134,9 @@ class FlattenedMaskedLMCollator:
 def build_collator(kind: str, layout: str, tokenizer, mlm_probability: float):
     if layout == "flattened":
         return FlattenedMaskedLMCollator(tokenizer, mlm_probability) if kind == "mlm" else DataCollatorWithFlattening()
+    if kind == "clm" and tokenizer.padding_side != "right":  # training pads on the right; the saved tokenizer left
+        tokenizer = copy.copy(tokenizer)
+        tokenizer.padding_side = "right"
     return DataCollatorForLanguageModeling(tokenizer, mlm=kind == "mlm", mlm_probability=mlm_probability)
 
 
@@ -224,6 +228,8 @@ def load_tokenizer_and_model(kind: str, model_args):
         model.resize_token_embeddings(len(tokenizer))
     if kind == "clm" and tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
+    if kind == "clm":  # saved so: batched prompts end with their last token, where generate continues them
+        tokenizer.padding_side = tokenizer.init_kwargs["padding_side"] = "left"  # init_kwargs: what is saved
     return tokenizer, apply_lora(model, model_args, kind)
 
 
