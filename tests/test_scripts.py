@@ -76,6 +76,23 @@ def test_mlm_pretraining_writes_model_card_metrics_and_plot(mlm_checkpoint):
     assert model.config.positional_encoding == "lrpe_orthogonal"
 
 
+def test_mlm_without_validation_data_writes_a_card_without_evaluations_or_plot(workspace):
+    """As README runs it: no --validation_file, fewer steps than --logging_steps. Nothing to evaluate or plot, so no
+    eval_results.json and no loss_curves.png, and the card links no image (it linked a missing one before)."""
+    out = workspace / "mlm_no_validation"
+    run_language_modeling(
+        "mlm",
+        [
+            "--tokenizer_name", str(workspace / "tokenizer"), "--train_file", str(workspace / "train.txt"), *TINY,
+            "--block_size", "64", "--max_steps", "2", "--per_device_train_batch_size", "4", "--output_dir", str(out),
+            *QUIET,
+        ],
+    )  # fmt: skip
+    assert not (out / "eval_results.json").exists() and not (out / "loss_curves.png").exists()
+    card = (out / "README.md").read_text()
+    assert "No evaluation was run." in card and "loss_curves.png" not in card and "![" not in card
+
+
 def test_clm_training(workspace):
     out = workspace / "clm"
     metrics = run_language_modeling(

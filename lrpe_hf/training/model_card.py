@@ -136,9 +136,15 @@ def training_section(trainer, data_description: str, examples: tuple[str, int] |
         f"- {name}: {value}" for name, value in extract_hyperparameters_from_trainer(trainer).items()
     )
     table = make_markdown_table(evaluation_lines(state.log_history)) or "No evaluation was run.\n"
+    # The plot exists where losses were logged (plot_loss_curves writes none otherwise): no link to a missing image.
+    plot = (
+        "![Training and evaluation loss](loss_curves.png)\n\n"
+        if (Path(args.output_dir) / "loss_curves.png").exists()
+        else ""
+    )
     return (
         f"{done} {data_description}\n\n### Hyperparameters\n\n{hyperparameters}\n\n### Evaluations\n\n{table}\n"
-        f"![Training and evaluation loss](loss_curves.png)\n\n### Framework versions\n\n{framework_versions()}"
+        f"{plot}### Framework versions\n\n{framework_versions()}"
     )
 
 
