@@ -223,8 +223,17 @@ def test_padding_free_document_layouts(workspace, kind):
 
 
 @pytest.mark.parametrize("task", ["tweet_sentiment", "wikipedia_topic_pairs"])
-def test_glue_style_fine_tuning_on_embedded_tasks(mlm_checkpoint, workspace, task):
+def test_glue_style_fine_tuning_on_embedded_tasks(mlm_checkpoint, workspace, task, monkeypatch):
+    """Fine-tunes on the first 64 training and 32 validation rows, tokenizing only those (as Transformers' examples)."""
     out = workspace / task
+    tokenized = {}
+    encode = run_glue.encode
+
+    def recording_encode(dataset, *args):
+        tokenized.update({name: len(split) for name, split in dataset.items()})
+        return encode(dataset, *args)
+
+    monkeypatch.setattr(run_glue, "encode", recording_encode)
     metrics = run_glue.main(
         [
             "--model_name_or_path",
@@ -249,6 +258,7 @@ def test_glue_style_fine_tuning_on_embedded_tasks(mlm_checkpoint, workspace, tas
         ]
     )
     assert 0.0 <= metrics["eval_accuracy"] <= 1.0 and "eval_f1_macro" in metrics
+    assert tokenized == {"train": 64, "validation": 32}
     config = json.loads((out / "config.json").read_text())
     expected = {"tweet_sentiment": {"negative", "neutral", "positive"}, "wikipedia_topic_pairs": {"0", "1"}}[task]
     assert set(config["id2label"].values()) == expected

@@ -108,10 +108,11 @@ def run(model_args, data_args, training_args, trainer_class=CardTrainer):
     tokenizer = load_tokenizer(model_args, ["pad_token"], "batching sentences of different lengths")
     model = build_model(model_args, tokenizer, label_config(label_names, is_regression))
 
-    with training_args.main_process_first(desc="tokenizing"):
+    limits = {"train": data_args.max_train_samples, "validation": data_args.max_eval_samples}
+    dataset = DatasetDict({name: select_samples(split, limits.get(name)) for name, split in dataset.items()})
+    with training_args.main_process_first(desc="tokenizing"):  # only the examples kept
         encoded = encode(dataset, tokenizer, data_args, (key1, key2), label_to_id)
-    train = select_samples(encoded["train"], data_args.max_train_samples)
-    evaluation = select_samples(encoded.get("validation"), data_args.max_eval_samples)
+    train, evaluation = encoded["train"], encoded.get("validation")
     check_segment_types([train, evaluation], getattr(model.config, "type_vocab_size", 1), tokenizer)
 
     compute_metrics = metrics_function(data_args.task_name, is_regression)
