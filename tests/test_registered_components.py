@@ -5,12 +5,15 @@ registered for this module's tests only, through the invariance tests every buil
 gets the same tests from the registry's names, with no list to update."""
 
 import pytest
+import test_against_reference as against_reference
 import test_models as models
 import test_properties as properties
 import torch
+from conftest import make_layer
 from torch.nn import functional as F
 
 import lrpe_hf
+from lrpe_hf.modeling.positional_encoding import reference_rotation
 from lrpe_hf.modeling.registry import FEATURE_MAP_REGISTRY, POSITIONAL_ENCODING_REGISTRY
 
 TOY_ENCODING, TOY_MAP = "toy_every_other_pair_rope", "toy_softplus"
@@ -32,6 +35,11 @@ class EveryOtherPairRotation(lrpe_hf.PositionalEncoding):
         angles = positions[:, None, :, :1].to(self.frequencies.dtype) * self.frequencies  # (B, 1, N, pairs)
         return rotated(q, angles), rotated(k, angles)
 
+    def reference_transform(self, head, position, width):
+        turns = torch.zeros(width // 2, dtype=torch.float64)
+        turns[: len(self.frequencies)] = position[0] * self.frequencies.double()
+        return reference_rotation(turns, width).to(torch.complex128)
+
 
 def rotated(x, angles):
     """x (B, H, N, 2 x pairs) with pair i turned by angles[..., i]."""
@@ -44,6 +52,9 @@ def rotated(x, angles):
 class Softplus(lrpe_hf.FeatureMap):
     def forward(self, x):
         return F.softplus(x)
+
+    def reference(self, x, head):
+        return torch.log1p(torch.exp(x))
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -79,6 +90,28 @@ def test_the_toys_train_compiled_in_one_graph(encoding):
     projections), and the toy encoding compile in one graph with the eager layer's values and gradients, as every
     built-in component does (the contract ``FeatureMap`` states)."""
     models.test_a_causal_layer_compiles_to_one_graph_with_the_eager_values_and_gradients(encoding, TOY_MAP)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+def test_the_toys_match_their_own_formulas(causal):
+    """Each toy carries its formula (``reference_transform``, ``reference``) as a registered component does, and
+    the O(N^2) sweep every built-in passes holds the toys to theirs, with nothing to add to the sweep."""
+    against_reference.test_linear_attention_matches_quadratic_formula(TOY_ENCODING, "elu", causal)
+    layer = make_layer(TOY_ENCODING, feature_map=TOY_MAP, causal=causal, chunk_size=4)
+    against_reference.check(layer, *against_reference.padded_inputs(causal))
+
+
+def test_a_hook_overridden_without_its_formula_is_named():
+    """An encoding (or map) that overrides a hook but gives no formula for it says which, where the sweep asks."""
+
+    class Unformulated(lrpe_hf.PositionalEncoding):
+        def encode_features(self, q, k, positions):
+            return q, 2 * k
+
+    with pytest.raises(NotImplementedError, match="Unformulated overrides encode_features but gives no reference"):
+        Unformulated().reference_transform(0, (0,), 4)
+    with pytest.raises(NotImplementedError, match="Softplus overrides forward but gives no reference formula"):
+        type("Softplus", (lrpe_hf.FeatureMap,), {"forward": F.softplus})(4).reference(torch.zeros(1, 4), 0)
 
 
 def test_the_shift_check_sees_the_toy_rotation():

@@ -64,6 +64,14 @@ class FeatureMap(Reinitialisable):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x
 
+    def reference(self, x: torch.Tensor, head: int) -> torch.Tensor:
+        """phi of one head's queries or keys x (N, D) float64 -> (N, m), from the map's formula written apart from
+        ``forward`` (the tests hold every registered map's layers to it, an O(N^2) sweep). The base map's: the
+        identity; a map that overrides ``forward`` gives its own."""
+        if type(self).forward is not FeatureMap.forward:
+            raise NotImplementedError(f"{type(self).__name__} overrides forward but gives no reference formula")
+        return x
+
     def redraw(self):
         """Called once per training step by the model (or a standalone layer); random maps redraw here."""
 
@@ -183,6 +191,9 @@ class EluFeatureMap(FeatureMap):
     def in_place(self, x):
         return shifted_elu(x, out=x)
 
+    def reference(self, x, head):
+        return torch.where(x > 0, x + 1, torch.exp(x))
+
 
 def shifted_relu(x: torch.Tensor, eps: float) -> torch.Tensor:
     """max(x, 0) + eps, in the memory layout of x (as ``shifted_elu``)."""
@@ -222,6 +233,9 @@ class ReluFeatureMap(FeatureMap):
     def in_place(self, x):
         return F.relu_(x).add_(self.eps)
 
+    def reference(self, x, head):
+        return torch.clamp(x, min=0) + self.eps
+
 
 class DPFPFeatureMap(FeatureMap):
     """Deterministic parameter-free projection (Schlag et al. 2021, eq. 37-38): width 2 * D * nu.
@@ -244,6 +258,11 @@ class DPFPFeatureMap(FeatureMap):
     def forward(self, x):
         r = torch.cat([F.relu(x), F.relu(-x)], dim=-1)
         return torch.cat([r * r.roll(shifts=i, dims=-1) for i in range(1, self.nu + 1)], dim=-1)
+
+    def reference(self, x, head):  # r_j r_{j - i} for each shift i, by explicit indices
+        r = torch.cat([x.clamp(min=0), (-x).clamp(min=0)], dim=-1)
+        n = r.shape[-1]
+        return torch.cat([r * r[..., [(j - i) % n for j in range(n)]] for i in range(1, self.nu + 1)], dim=-1)
 
 
 class ExponentialFeatureMap(FeatureMap):
@@ -309,6 +328,9 @@ class ExpFeatureMap(ExponentialFeatureMap):
     def log_features(self, x):
         return x
 
+    def reference(self, x, head):
+        return torch.exp(x)
+
 
 class PerformerFeatureMap(ExponentialFeatureMap):
     """FAVOR+ positive orthogonal random features (Choromanski et al. 2021, Lemma 1 and section 2.4).
@@ -367,6 +389,11 @@ class PerformerFeatureMap(ExponentialFeatureMap):
         projected = x @ self.projection.to(x.dtype).T
         return projected - 0.5 * x.pow(2).sum(-1, keepdim=True) - 0.5 * math.log(self.num_features)
 
+    def reference(self, x, head):  # Lemma 1: exp(W x' - |x'|^2 / 2) / sqrt(m), x' = x / D^(1/4)
+        w = self.projection.double()
+        scaled = x / x.shape[-1] ** 0.25
+        return torch.exp(scaled @ w.T - (scaled**2).sum(-1, keepdim=True) / 2) / math.sqrt(w.shape[0])
+
 
 class HedgehogFeatureMap(FeatureMap):
     """phi(x) = [softmax(W_h x), softmax(-W_h x)] with a learned map W_h per head, initialised to the identity
@@ -391,6 +418,10 @@ class HedgehogFeatureMap(FeatureMap):
         y = torch.einsum("bhnd,hde->bhne", x, self.weight.to(x.dtype))
         return torch.cat([y.softmax(-1), (-y).softmax(-1)], dim=-1)
 
+    def reference(self, x, head):  # [softmax(W x), softmax(-W x)]
+        y = x @ self.weight[head].double()
+        return torch.cat([torch.softmax(y, -1), torch.softmax(-y, -1)], dim=-1)
+
 
 class T2RFeatureMap(FeatureMap):
     """phi(x) = relu(W_h x + b_h), a learned single-layer ReLU map per head (Kasai et al. 2021, "Finetuning
@@ -414,3 +445,6 @@ class T2RFeatureMap(FeatureMap):
     def forward(self, x):  # (B, H, N, D)
         y = torch.einsum("bhnd,hdm->bhnm", x, self.weight.to(x.dtype)) + self.bias.to(x.dtype)[:, None]
         return F.relu(y)
+
+    def reference(self, x, head):  # relu(W x + b)
+        return torch.clamp(x @ self.weight[head].double() + self.bias[head].double(), min=0)

@@ -72,6 +72,58 @@ class PositionalEncoding(Reinitialisable):
         """Whether this encoding overrides ``value_bias`` (the layer then keeps the past values when decoding)."""
         return type(self).value_bias is not PositionalEncoding.value_bias
 
+    # The reference: each hook's formula written apart from it, explicit and in float64, to which the tests hold
+    # every registered encoding (an O(N^2) sweep). An encoding that overrides a hook gives its reference too.
+
+    def reference_transform(self, head: int, position: tuple, width: int) -> torch.Tensor:
+        """M_p (width, width) complex128 of one head at one position (its coordinates): ``encode_features``' form,
+        the features becoming M_p phi. The base's: the identity."""
+        refuse_a_missing_reference(self, "encode_features", "reference_transform")
+        return torch.eye(width, dtype=torch.complex128)
+
+    def reference_decay(self, head: int) -> float:
+        """r of one head: key t's weight at query s is multiplied by r^(p_s - p_t) (causal), ``log_decay``'s form.
+        The base's: 1."""
+        refuse_a_missing_reference(self, "log_decay", "reference_decay")
+        return 1.0
+
+    def reference_query_key(self, x, positions: list, head: int, shared_draw, is_query: bool) -> torch.Tensor:
+        """One head's queries (``is_query``) or keys x (N, D) float64 at ``positions`` (N coordinate tuples) ->
+        (N, D'): ``encode_query_key``'s form. The base's: x."""
+        refuse_a_missing_reference(self, "encode_query_key", "reference_query_key")
+        return x
+
+    def reference_value_bias(self, values, positions: list, mask, head: int, causal: bool) -> torch.Tensor | None:
+        """``value_bias``' form at every query of one head, (N, d) float64, from its values (N, d), positions (N
+        coordinate tuples) and mask (N,) bool; None where the encoding adds no bias (the base)."""
+        refuse_a_missing_reference(self, "value_bias", "reference_value_bias")
+        return None
+
+
+def refuse_a_missing_reference(encoding: PositionalEncoding, hook: str, reference: str):
+    """Raises where ``encoding`` overrides ``hook`` but not its ``reference``."""
+    overrides = getattr(type(encoding), hook) is not getattr(PositionalEncoding, hook)
+    if overrides and getattr(type(encoding), reference) is getattr(PositionalEncoding, reference):
+        raise NotImplementedError(f"{type(encoding).__name__} overrides {hook} but gives no {reference}")
+
+
+def reference_rotation(angles: torch.Tensor, width: int) -> torch.Tensor:
+    """Block-diagonal 2x2 rotations by ``angles`` (P,) of pairs (0, 1), (2, 3), ..., the identity on the rest of
+    ``width``: (width, width) float64, for references."""
+    matrix = torch.eye(width, dtype=torch.float64)
+    for i, angle in enumerate(angles.tolist()):
+        c, s = math.cos(angle), math.sin(angle)
+        matrix[2 * i : 2 * i + 2, 2 * i : 2 * i + 2] = torch.tensor([[c, -s], [s, c]], dtype=torch.float64)
+    return matrix
+
+
+def reference_permutation(permutation: list) -> torch.Tensor:
+    """The matrix P of (P x)_i = x[pi(i)] (P[i, pi(i)] = 1), float64, for references."""
+    n = len(permutation)
+    matrix = torch.zeros(n, n, dtype=torch.float64)
+    matrix[torch.arange(n), torch.as_tensor(permutation)] = 1.0
+    return matrix
+
 
 class NoPositionalEncoding(PositionalEncoding):
     """``positional_encoding="none"``: content-only attention (NoPE, or absolute embeddings added to inputs)."""

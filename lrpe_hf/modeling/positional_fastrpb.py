@@ -131,6 +131,23 @@ class FastRelativePositionBias(PositionalEncoding):
             "positions span more; use shorter inputs or a model with a larger max_positions",
         )
 
+    def reference_value_bias(self, values, positions, mask, head, causal):
+        """sum_t W[s, t] v_t with W[s, t] = sum over axes of w_a[p_s - p_t] (only lags >= 0 causal), over the real
+        keys t, term by term."""
+        out = torch.zeros_like(values)
+        for s, query in enumerate(positions):
+            for t, key in enumerate(positions):
+                lags = [query[a] - key[a] for a in range(self.position_dims)]
+                if not mask[t]:
+                    continue
+                bias = sum(
+                    float(self.weights[a, head, self.max_positions - 1 + lag].detach())
+                    for a, lag in enumerate(lags)
+                    if not (causal and lag < 0)
+                )
+                out[s] += bias * values[t]
+        return out
+
     def value_bias(self, values, key_positions, query_positions, causal, key_documents=None, query_documents=None):
         """values (B, H, T, d), zero where padded; key_positions (B, T, A); query_positions (B, N, A); the
         documents of keys (B, T) and queries (B, N) of packed rows, or None. Returns W V at the queries:

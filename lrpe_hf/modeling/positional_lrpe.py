@@ -32,8 +32,10 @@ from .positional_encoding import (
     frequency_gradient,
     new_angle_gradient,
     radian_rates,
+    reference_permutation,
     unit_angles,
     unit_coordinates,
+    units_per_axis,
 )
 from .positional_permute import PermutePositionalEncoding
 from .positional_rope import RotaryPositionalEncoding, few_angles, learnable_angle_dtype, rotary_frequencies
@@ -55,6 +57,10 @@ class HouseholderReflection(Reinitialisable):
 
     def forward(self, x):  # (B, H, N, m)
         return self.pair(x)[0]
+
+    def reference(self, head, width):
+        v = self.vector[head].detach().double()
+        return torch.eye(width, dtype=torch.float64) - 2 * torch.outer(v, v) / (v @ v)
 
     def unit_vectors(self, copies: int = 1):
         """The vectors normalised (H, m), repeated ``copies`` times along the heads: for a fixed vector, once, again
@@ -146,6 +152,10 @@ class OddEvenPermutation(Reinitialisable):
     def forward(self, x):
         return x[..., self.source]
 
+    def reference(self, head, width):
+        half = width - width // 2
+        return reference_permutation([i // 2 if i % 2 == 0 else half + (i - 1) // 2 for i in range(width)])
+
 
 class DCTMatrix(Reinitialisable):
     """The orthonormal DCT-II matrix, a real orthogonal P: y[k] = sum_n C[k, n] x[n],
@@ -166,6 +176,17 @@ class DCTMatrix(Reinitialisable):
 
     def forward(self, x):
         return x @ self.matrix.to(x.dtype).T
+
+    def reference(self, head, width):
+        k, n = torch.arange(width, dtype=torch.float64)[:, None], torch.arange(width, dtype=torch.float64)[None, :]
+        scale = torch.full((width, 1), math.sqrt(2 / width), dtype=torch.float64)
+        scale[0] = math.sqrt(1 / width)
+        return scale * torch.cos(math.pi * (2 * n + 1) * k / (2 * width))
+
+
+def reference_p(p: nn.Module, head: int, width: int) -> torch.Tensor:
+    """One head's P (width, width) float64 from its formula (the P matrix's ``reference``; the identity's own)."""
+    return torch.eye(width, dtype=torch.float64) if isinstance(p, nn.Identity) else p.reference(head, width)
 
 
 class LRPEUnitary(PositionalEncoding):
@@ -209,6 +230,13 @@ class LRPEUnitary(PositionalEncoding):
         pairs = apply_p_stacked(self.p, x).unflatten(1, (2, -1))  # (B, 2, H, N, m): queries, then keys
         lifted = lift_into(pairs, cos, sin, pairs.new_empty(*pairs.shape[:-1], 2 * pairs.shape[-1]))
         return lifted.flatten(1, 2)
+
+    def reference_transform(self, head, position, width):
+        """diag(exp(i p alpha)) P, each feature's angle from its axis's coordinate (eq. 22)."""
+        units = units_per_axis(width, self.position_dims)
+        coordinates = torch.tensor([position[a] for a, n in enumerate(units) for _ in range(n)], dtype=torch.float64)
+        lambda_p = torch.diag(torch.exp(1j * coordinates * self.angles[head].detach().double()))
+        return lambda_p @ reference_p(self.p, head, width).to(torch.complex128)
 
     def few_cos_sin(self, positions):
         """cos and sin (B', H, N, m), float64, of a decoding step's few angles position * alpha, formed in float64
@@ -311,6 +339,10 @@ class LRPEOrthogonal(PositionalEncoding):
     def encode_features(self, q, k, positions):
         return self.rotation.encode_features(*apply_p(self.p, q, k), positions)
 
+    def reference_transform(self, head, position, width):
+        rotation = self.rotation.reference_transform(head, position, width)
+        return rotation @ reference_p(self.p, head, width).to(torch.complex128)
+
     def encode_stacked(self, x, positions):
         return self.rotation.encode_stacked(apply_p_stacked(self.p, x), positions)
 
@@ -329,6 +361,10 @@ class LRPEPermutation(PositionalEncoding):
 
     def encode_features(self, q, k, positions):
         return self.permutation.encode_features(*apply_p(self.p, q, k), positions)
+
+    def reference_transform(self, head, position, width):
+        permutation = self.permutation.reference_transform(head, position, width)
+        return permutation @ reference_p(self.p, head, width).to(torch.complex128)
 
     def encode_stacked(self, x, positions):
         return self.permutation.encode_stacked(apply_p_stacked(self.p, x), positions)

@@ -13,7 +13,7 @@ import torch
 
 from .gradients import wants_gradient
 from .kept_tensors import KeptUntilChanged
-from .positional_encoding import PositionalEncoding, distinct_rows, token_blocks
+from .positional_encoding import PositionalEncoding, distinct_rows, reference_permutation, token_blocks
 from .reinitialisable import Reinitialisable, seeded_generator
 
 
@@ -188,6 +188,18 @@ class PermutePositionalEncoding(PositionalEncoding):
             return None if bool((decays == 1.0).all()) else decays.log()
         # fixed decays: looked at (a host read) and their log taken once, again only after they change
         return self.kept_log_decay.get((decays,), lambda: None if bool((decays == 1.0).all()) else decays.log())
+
+    def reference_transform(self, head, position, width):
+        """P_pi^p for each axis's block of features (its coordinate's power), pi read from the cycles kept."""
+        blocks = []
+        for axis, cyclic in enumerate(self.permutations):
+            members, start, length, index = (getattr(cyclic, n)[head] for n in ("members", "start", "length", "index"))
+            pi = [int(members[start[i] + (index[i] + 1) % length[i]]) for i in range(cyclic.size)]  # i's next
+            blocks.append(torch.linalg.matrix_power(reference_permutation(pi), int(position[axis])))
+        return torch.block_diag(*blocks).to(torch.complex128)
+
+    def reference_decay(self, head):
+        return float(self.decays[head])
 
     def encode_features(self, q, k, positions):
         if len(self.permutations) == 1:

@@ -20,6 +20,7 @@ from .positional_encoding import (
     frequency_gradient,
     new_angle_gradient,
     radian_rates,
+    reference_rotation,
     turn_rates,
     unit_angles,
     unit_coordinates,
@@ -359,6 +360,18 @@ class RotaryPositionalEncoding(PositionalEncoding):
         rates = self.turn_rates(self.frequencies)
         radians = self.radian_rates(self.frequencies)
         return rotate_queries_and_keys(q, k, positions, self.frequencies, self.axis, rates, radians)
+
+    def reference_transform(self, head, position, width):
+        """Pair i turned by p theta_i (the row's or the column's coordinate in 2D), theta_i = base^(-2i/m) over each
+        axis's pairs (RoFormer), or the learned angles of LRPE's orthogonal solution."""
+        units = units_per_axis(width // 2, self.position_dims)
+        if self.learnable:
+            theta = self.frequencies[head].detach().double()
+        else:
+            ladder = [self.base ** (-2 * i / (2 * n)) for n in units for i in range(n)]
+            theta = torch.tensor(ladder, dtype=torch.float64)
+        coordinates = torch.tensor([position[a] for a, n in enumerate(units) for _ in range(n)], dtype=torch.float64)
+        return reference_rotation(coordinates * theta, width).to(torch.complex128)
 
     def encode_stacked(self, x, positions):
         if wants_gradient(x, self.frequencies) or not few_angles(positions, self.frequencies):

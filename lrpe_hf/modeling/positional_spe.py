@@ -329,6 +329,26 @@ def sine_table(rows: torch.Tensor, frequencies: torch.Tensor, dtype) -> torch.Te
     return table
 
 
+def sine_reference_codes(codes, draw, positions, head, is_query):
+    """``SineSPECodes``' Qbar_d(p) (N, D, R) float64 for one head at ``positions`` (N coordinate tuples), from eq. 19
+    with the draw's noise: sum_k lambda_k (cos(2 pi f_k . p + phase) Z_k + sin(...) Z'_k) / sqrt(K), the phase for
+    queries only."""
+    K, D, R = codes.num_sines, codes.head_dim, codes.num_realizations
+    noise = draw.tensor("sine", (codes.num_heads, D, 2, K, R))[head].double()
+    out = torch.zeros(len(positions), D, R, dtype=torch.float64)
+    for n, p in enumerate(positions):
+        for d in range(D):
+            for k in range(K):
+                f = codes.frequencies[:, head, d, k].detach().double()
+                phase = 2 * math.pi * float((f * torch.tensor(p, dtype=torch.float64)).sum())
+                if is_query:
+                    phase += float(codes.phases[head, d, k].detach())
+                amplitude = float(codes.amplitudes[head, d, k].detach())
+                sines = math.cos(phase) * noise[d, 0, k] + math.sin(phase) * noise[d, 1, k]
+                out[n, d] += amplitude * sines / math.sqrt(K)
+    return out
+
+
 class SineMixing(torch.autograd.Function):
     """sum_{j, d} x_d table_jd M_(jd)r for sineSPE: x (B, H, N, D), the table [cos, sin](2 pi f . p) (B', H, N, 2K, D)
     with B' 1 or B, M (H, 2K * D, R) -> (B, H, N, R), stored heads-first. The gradient goes to x, M and the
@@ -487,6 +507,23 @@ class ConvSPECodes(SPECodes):
         return self._normalise(out)
 
 
+def conv_reference_codes(codes, draw, positions, head, is_query):
+    """``ConvSPECodes``' Qbar_d(p) (N, D, R) float64 for one head at ``positions`` (N coordinate tuples): the query's
+    or key's filter convolved with the draw's noise grid, tap by tap (eq. 22)."""
+    L, A, D, R = codes.kernel_size, codes.position_dims, codes.head_dim, codes.num_realizations
+    filters = (codes.query_filters if is_query else codes.key_filters)[head].double()
+    coordinates = torch.tensor(positions)
+    start = tuple(int(v) - L + 1 for v in coordinates.amin(0))
+    stop = tuple(int(v) + 1 for v in coordinates.amax(0))
+    grid = draw.grid(start, stop, (D, R)).double()
+    out = torch.zeros(len(positions), D, R, dtype=torch.float64)
+    for n, p in enumerate(positions):
+        for taps in itertools.product(range(L), repeat=A):
+            cell = tuple(p[a] - taps[a] - start[a] for a in range(A))
+            out[n] += filters[(slice(None), *taps)][:, None] * grid[cell]
+    return out
+
+
 class CodeMixing(torch.autograd.Function):
     """sum_d x_d codes_dr for convSPE: x (B, H, N, D), codes (B', H, N, D, R) with B' 1 or B -> (B, H, N, R). Every
     token has its own (D x R) codes, so this is one small product per (head, token), batched over them, with the
@@ -568,6 +605,24 @@ class StochasticPositionalEncoding(PositionalEncoding):
     @classmethod
     def from_options(cls, options, num_heads, head_dim, feature_dim):
         return cls(num_heads, head_dim, options.spe_realizations, options.spe_gated)
+
+    def reference_codes(self, positions, head, shared_draw, is_query):
+        """The codes (N, D, R) float64 of one head at ``positions`` (N coordinate tuples), gated (eq. 24-25:
+        sqrt(1 - delta) Qbar + sqrt(delta) eps, delta = sigmoid(gate logit) per feature), from the shared codes'
+        formula (``sine_reference_codes``, ``conv_reference_codes``)."""
+        codes = shared_draw.codes
+        formula = sine_reference_codes if isinstance(codes, SineSPECodes) else conv_reference_codes
+        out = formula(codes, shared_draw, positions, head, is_query)
+        if self.gate_logits is None:
+            return out
+        delta = torch.sigmoid(self.gate_logits[head].detach().double())
+        noise = shared_draw.tensor("gate", (codes.num_heads, self.head_dim, self.num_realizations))[head].double()
+        return (1 - delta).sqrt()[None, :, None] * out + (delta.sqrt()[:, None] * noise)[None]
+
+    def reference_query_key(self, x, positions, head, shared_draw, is_query):
+        """x (N, D) mixed by its codes into R dimensions, scaled by (D R)^(-1/4) (eq. 14)."""
+        codes = self.reference_codes(positions, head, shared_draw, is_query)
+        return torch.einsum("nd,ndr->nr", x, codes) / (self.head_dim * self.num_realizations) ** 0.25
 
     def encode_query_key(self, q, k, positions, shared_draw=None):
         if shared_draw is None:
