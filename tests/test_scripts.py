@@ -71,6 +71,7 @@ def test_mlm_pretraining_writes_model_card_metrics_and_plot(mlm_checkpoint):
     for field in ("license:", "library_name: transformers", "lrpe-hf", "pipeline_tag: fill-mask"):
         assert field in header, field
     assert "`lrpe_orthogonal`" in card and "trust_remote_code=True" in card and "eval_perplexity" in card
+    assert f'pipeline("fill-mask", model="{mlm_checkpoint}"' in card  # not pushed: the folder's path, not a Hub id
     assert (mlm_checkpoint / "linear_attention.py").exists()  # the checkpoint carries its code
     model = AutoModelForMaskedLM.from_pretrained(mlm_checkpoint)
     assert model.config.positional_encoding == "lrpe_orthogonal"
@@ -141,10 +142,11 @@ sys.argv = sys.argv[:1]
 
 
 def card_snippet(out: Path) -> str:
-    """The python block of the checkpoint's model card, reading the checkpoint by its folder."""
+    """The python block of the checkpoint's model card, which reads the checkpoint by the folder's path as given."""
     card = (out / "README.md").read_text()
     code = card.split("```python\n")[1].split("```")[0]
-    return CARD_SNIPPET + code.replace(f'"{out.name}"', repr(str(out)))
+    assert f'.from_pretrained("{out}"' in code or f'model="{out}"' in code
+    return CARD_SNIPPET + code
 
 
 def test_a_briefly_trained_causal_lm_continues_its_prompt(workspace):

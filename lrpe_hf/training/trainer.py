@@ -32,10 +32,12 @@ class CardTrainer(Trainer):
             return
         if not hasattr(self.accelerator.unwrap_model(self.model).config, "attention_options"):
             return super().create_model_card(**kwargs)
+        # The Hub id where the run pushes (or names one); otherwise the output folder's path as given, so that the
+        # card's snippet loads the local folder (its name alone would be looked up on the Hub from anywhere else).
         model_id = (
             self.hub_model_id
             if getattr(self, "hub_model_id", None)
-            else (self.args.hub_model_id or Path(self.args.output_dir).name)
+            else (self.args.hub_model_id or str(self.args.output_dir))
         )
         fields = dict(self.card)
         training = training_section(self, fields.pop("data_description"), fields.pop("examples", None))
