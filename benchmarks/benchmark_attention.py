@@ -273,7 +273,8 @@ def summary(rows):
             )
             softmax = lookup(rows, "layer", "softmax+none", mode, tokens, "forward_ms")
             if softmax:
-                line += f"; softmax (SDPA) layer forward {softmax:.1f} ms: {softmax / row['forward_ms']:.1f}x slower"
+                ratio = softmax / row["forward_ms"]
+                line += f"; softmax (SDPA) layer forward {softmax:.1f} ms: {ratio:.1f}x the linear layer's time"
             compiled = {k: lookup(rows, "layer", "compiled none", mode, tokens, k) for k in FLOOR_KEYS}
             if all(compiled.values()):  # over the projections measured beside the compiled layer, in its child
                 line += (
