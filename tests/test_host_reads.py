@@ -186,6 +186,32 @@ def test_a_decoding_step_reads_nothing(encoding, feature_map, padded):
         assert not everything, describe(everything)
 
 
+@pytest.mark.parametrize("rows", ["plain", "left-padded", "packed"])
+@pytest.mark.parametrize("encoding", ["rope", "permute", "fastrpb"])
+def test_a_windowed_train_step_and_decoding_step_read_nothing_inside_the_layers(encoding, rows):
+    """With ``local_window`` (smaller than the sequence: both parts at work) a train step reads nothing inside its
+    layers, and a decoding step nothing anywhere."""
+    torch.manual_seed(0)
+    config = lrpe_hf.LinearGPTConfig(vocab_size=60, positional_encoding=encoding, local_window=5, **TINY)
+    model = lrpe_hf.LinearGPTForCausalLM(config).train()
+    ids, kwargs = text_inputs(rows)
+
+    def train_step(reads):
+        loss = model(ids, labels=ids, **kwargs).loss
+        reads.backward(loss) if reads is not None else loss.backward()
+
+    reads = counted(model, train_step)
+    assert not reads.inside_layers(), describe(reads.inside_layers())
+    assert entry_reads_allowed(reads.outside_layers(), rows, encoding), describe(reads.outside_layers())
+    model.eval()
+    cache = lrpe_hf.LinearAttentionCache(config.num_hidden_layers)
+    with torch.no_grad():
+        model(ids[:, :12], past_key_values=cache, use_cache=True)
+        reads = counted(model, lambda reads: model(ids[:, -1:], past_key_values=cache, use_cache=True))
+    everything = reads.inside_layers() + reads.outside_layers()
+    assert not everything, describe(everything)
+
+
 def test_the_counter_sees_every_kind_of_read_and_nothing_else():
     """What the tests above rely on: each way of reading a value on the host is counted once (a value, a truth value,
     a list, a shape made from values), inside a watched layer or not, and ops that read nothing are not counted."""

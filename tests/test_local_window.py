@@ -12,6 +12,7 @@ import pytest
 import torch
 from conftest import make_layer
 from reference import feature_map, position_matrix, spe_codes
+from test_against_reference import padded_inputs
 from test_triton_adapter import fla_calls, interpreted_kernels, kernels, triton_path_on_the_cpu  # noqa: F401
 
 from lrpe_hf import FEATURE_MAPS, POSITIONAL_ENCODINGS, LinearAttentionState
@@ -117,14 +118,9 @@ def windowed_reference(layer, x, mask, positions=None, draw=None):
 
 
 def inputs(causal, packed, batch=2, tokens=11, hidden=16, seed=0):
-    """Row 0 full, row 1 padded (left when causal, right otherwise); packed: positions restart mid-row."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(batch, tokens, hidden, generator=g, dtype=torch.float64)
-    mask = torch.ones(batch, tokens, dtype=torch.bool)
-    if causal:
-        mask[1, :3] = False
-    else:
-        mask[1, -3:] = False
+    """``test_against_reference.padded_inputs`` (row 0 full, row 1 padded: left when causal, right otherwise);
+    packed: positions restart mid-row."""
+    x, mask = padded_inputs(causal, batch, tokens, hidden, seed)
     positions = None
     if packed:
         positions = torch.zeros(batch, tokens, 1, dtype=torch.long)
