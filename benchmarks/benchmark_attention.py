@@ -125,8 +125,11 @@ def measure_layer(encoding, attention, causal, tokens, device, reps, compile_lay
         out = out[0] if isinstance(out, tuple) else out  # fla's layer returns (out, attentions, cache)
         out.float().sum().backward()
 
-    def projections():  # the floor: the layer's four projections alone, on inputs of the same shape
-        return [proj(x) for proj in (layer.q_proj, layer.k_proj, layer.v_proj, layer.o_proj)]
+    names = ("qkv_proj", "q_proj", "k_proj", "v_proj", "o_proj")  # ours: qkv_proj and o_proj; fla's: four
+    own_projections = [getattr(layer, name) for name in names if hasattr(layer, name)]
+
+    def projections():  # the floor: the layer's projections alone, on inputs of the same shape
+        return [proj(x) for proj in own_projections]
 
     def projections_step():
         with autocast:

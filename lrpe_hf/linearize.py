@@ -234,10 +234,8 @@ def gpt2(source, fields):
     }
     for i in range(c.n_layer):
         s, t = f"h.{i}", f"model.stack.layers.{i}"
-        q, k, v = state[f"{s}.attn.c_attn.weight"].T.chunk(3, dim=0)  # Conv1D stores (in, out)
-        qb, kb, vb = state[f"{s}.attn.c_attn.bias"].chunk(3)
-        for proj, weight, bias in (("q", q, qb), ("k", k, kb), ("v", v, vb)):
-            linear(weights, f"{t}.self_attn.{proj}_proj", weight, bias)
+        # c_attn holds q, k and v side by side as qkv_proj does; Conv1D stores (in, out)
+        linear(weights, f"{t}.self_attn.qkv_proj", state[f"{s}.attn.c_attn.weight"].T, state[f"{s}.attn.c_attn.bias"])
         linear(weights, f"{t}.self_attn.o_proj", state[f"{s}.attn.c_proj.weight"].T, state[f"{s}.attn.c_proj.bias"])
         linear(weights, f"{t}.mlp.fc1", state[f"{s}.mlp.c_fc.weight"].T, state[f"{s}.mlp.c_fc.bias"])
         linear(weights, f"{t}.mlp.fc2", state[f"{s}.mlp.c_proj.weight"].T, state[f"{s}.mlp.c_proj.bias"])
@@ -290,13 +288,13 @@ def roberta_or_bert(source, fields):
     layer_norm(weights, "model.embedding_norm", state, "embeddings.LayerNorm")
     for i in range(c.num_hidden_layers):
         s, t = f"encoder.layer.{i}", f"model.stack.layers.{i}"
-        for proj, name in (("q", "query"), ("k", "key"), ("v", "value")):
-            linear(
-                weights,
-                f"{t}.self_attn.{proj}_proj",
-                state[f"{s}.attention.self.{name}.weight"],
-                state[f"{s}.attention.self.{name}.bias"],
-            )
+        joined = [f"{s}.attention.self.{name}" for name in ("query", "key", "value")]
+        linear(
+            weights,
+            f"{t}.self_attn.qkv_proj",
+            torch.cat([state[f"{name}.weight"] for name in joined]),
+            torch.cat([state[f"{name}.bias"] for name in joined]),
+        )
         linear(
             weights,
             f"{t}.self_attn.o_proj",
@@ -394,10 +392,14 @@ def vit(source, fields):
     )
     for i in range(c.num_hidden_layers):
         s, t = f"layers.{i}", f"model.stack.layers.{i}"
+        projections = {}
         for proj in ("q", "k", "v", "o"):
             weight = state[f"{s}.attention.{proj}_proj.weight"]
             bias = state.get(f"{s}.attention.{proj}_proj.bias", weight.new_zeros(weight.shape[0]))  # qkv_bias=False
-            linear(weights, f"{t}.self_attn.{proj}_proj", weight, bias)
+            projections[proj] = weight, bias
+        joined = [projections[proj] for proj in ("q", "k", "v")]
+        linear(weights, f"{t}.self_attn.qkv_proj", *(torch.cat(parts) for parts in zip(*joined)))
+        linear(weights, f"{t}.self_attn.o_proj", *projections["o"])
         layer_norm(weights, f"{t}.self_attn_layer_norm", state, f"{s}.layernorm_before")
         layer_norm(weights, f"{t}.final_layer_norm", state, f"{s}.layernorm_after")
         for fc in ("fc1", "fc2"):
@@ -447,7 +449,7 @@ def attention_transfer_loss(student, hidden_states, attention_mask=None, loss: s
     for layer, hidden in zip(layers, hidden_states):
         attention = layer.self_attn
         x = layer.self_attn_layer_norm(hidden) if layer.pre_norm else hidden
-        q, k, v = (attention.split_heads(proj(x)) for proj in (attention.q_proj, attention.k_proj, attention.v_proj))
+        q, k, v = attention.heads(x, None)
         allowed = real[:, None, None, :].expand(B, 1, N, N)
         if attention.options.causal:
             allowed = allowed & torch.ones(N, N, dtype=torch.bool, device=device).tril()

@@ -56,7 +56,7 @@ def attention_by_formulas(layer, x, mask=None, positions=None, shared_draw=None)
     def proj(linear, t):
         return t @ linear.weight.double().T + linear.bias.double()
 
-    q, k, v = (proj(lin, x).view(B, N, H, D) for lin in (layer.q_proj, layer.k_proj, layer.v_proj))
+    q, k, v = proj(layer.qkv_proj, x).view(B, N, 3, H, D).unbind(2)  # qkv_proj's rows: q's, k's, v's
     out = torch.zeros(B, N, H, D, dtype=torch.float64)
     value_bias = torch.zeros(B, N, H, D, dtype=torch.float64)
     pe = layer.positional_encoding

@@ -201,7 +201,7 @@ def test_softmax_temperature_where_the_encoding_is_the_identity(encoding, causal
     ).double()
     positions = make_identity(layer, 7)
     x = torch.randn(2, 7, 16, dtype=torch.float64)
-    q, k, v = (proj(x).view(2, 7, 2, 8).transpose(1, 2) for proj in (layer.q_proj, layer.k_proj, layer.v_proj))
+    q, k, v = layer.qkv_proj(x).view(2, 7, 3, 2, 8).transpose(1, 3).unbind(2)
     logits = q @ k.transpose(-1, -2) / math.sqrt(8)
     if causal:
         logits = logits.masked_fill(torch.ones(7, 7, dtype=torch.bool).triu(1), float("-inf"))
@@ -227,7 +227,7 @@ def test_fastrpb_fft_path_with_position_gaps_and_left_padding(causal):
     steps = torch.randint(1, 4, (2, N))
     positions = (steps * mask).cumsum(-1)
     assert N * N > 4096 * 64  # the FFT path, not the dense one
-    q, k, v = (proj(x).view(2, N, H, D).transpose(1, 2) for proj in (layer.q_proj, layer.k_proj, layer.v_proj))
+    q, k, v = layer.qkv_proj(x).view(2, N, 3, H, D).transpose(1, 3).unbind(2)
     v = v * mask[:, None, :, None]
     fq, fk = F.elu(q) + 1, (F.elu(k) + 1) * mask[:, None, :, None]
     allowed = mask[:, None, None, :] & (torch.ones(N, N, dtype=torch.bool).tril() if causal else True)

@@ -196,7 +196,7 @@ def test_the_fla_path_counts_fla_launches_and_computes_what_the_torch_path_does(
             loss = model(input_ids=ids, labels=ids).loss
             loss.backward()
         losses.append(loss.detach())
-        grads.append(model.model.stack.layers[0].self_attn.q_proj.weight.grad)
+        grads.append(model.model.stack.layers[0].self_attn.qkv_proj.weight.grad)
     torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(grads[0], grads[1], rtol=1e-4, atol=1e-6)
 

@@ -268,7 +268,7 @@ def test_decode_latency_moves_each_weight_to_fresh_memory_keeping_values_strides
     sys.path.insert(0, str(BENCHMARKS))
     decode_latency = importlib.import_module("decode_latency")
     decoder = decode_latency.Decoder("none", torch.zeros(1, 4, dtype=torch.long), max_tokens=8)
-    projection = decoder.model.model.stack.layers[0].self_attn.q_proj.weight
+    projection = decoder.model.model.stack.layers[0].self_attn.qkv_proj.weight
     projection.data = projection.data.t().contiguous().t()  # as a decoding step lays it out
     before = {name: (p.detach().clone(), p.data_ptr(), p.stride()) for name, p in decoder.model.named_parameters()}
     decoder.reallocate()

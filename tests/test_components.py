@@ -1008,8 +1008,9 @@ def test_the_layer_lets_the_feature_map_overwrite_only_its_own_projections():
     x = torch.randn(2, 5, 24)
     with torch.no_grad():
         layer(x)
-        for kept, proj in zip(layer.positional_encoding.kept, (layer.q_proj, layer.k_proj)):
-            torch.testing.assert_close(kept, 2 * layer.split_heads(proj(x)))
+        q, k, _ = layer.qkv_proj(x).view(2, 5, 3, 3, 8).transpose(1, 3).unbind(2)  # rows: q's, k's, v's
+        for kept, projected in zip(layer.positional_encoding.kept, (q, k)):
+            torch.testing.assert_close(kept, 2 * projected)
 
 
 @pytest.mark.parametrize(
@@ -1062,12 +1063,27 @@ def test_a_decoding_step_with_queries_and_keys_stacked_equals_the_step_with_them
     torch.testing.assert_close(stacked, steps(), rtol=0 if exact else 1e-6, atol=0 if exact else 1e-6)
 
 
+def heads_apart(layer):
+    """The layer's ``heads`` as three projections apart, each by its own rows of ``qkv_proj`` (q's, k's, v's), each
+    output in memory of its own: the reference for the one projection."""
+
+    def heads(hidden_states, mask, values=None):
+        B, N, _ = hidden_states.shape
+        biases = (None,) * 3 if layer.qkv_proj.bias is None else layer.qkv_proj.bias.chunk(3)
+        q, k, v = (
+            F.linear(hidden_states, weight, bias).view(B, N, layer.num_heads, layer.head_dim).transpose(1, 2)
+            for weight, bias in zip(layer.qkv_proj.weight.chunk(3), biases)
+        )  # fmt: skip
+        return q, k, v if mask is None else v.masked_fill(~mask[:, None, :, None], 0.0)
+
+    return heads
+
+
 @pytest.mark.parametrize("bias", [True, False])
-def test_training_projects_queries_keys_and_values_in_one_product_with_the_same_values_and_gradients(bias):
-    """In training the layer joins its q, k and v projections into one product: the layer's output and every
-    parameter's gradient are those of the three projections apart (taken where a projection has a hook of its own,
-    which the joined product would skip), one linear op forward where three were; without a gradient (decoding,
-    evaluation) each projection runs on its own weights."""
+def test_one_input_projection_gives_the_values_and_gradients_of_three_apart(bias, monkeypatch):
+    """The layer projects q, k and v in one product (``qkv_proj``, rows q's, k's, v's): its output and every
+    parameter's gradient are those of three projections apart, with one linear op where three would be, in
+    training and without a gradient."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.manual_seed(0)
@@ -1088,17 +1104,15 @@ def test_training_projects_queries_keys_and_values_in_one_product_with_the_same_
 
     joined, joined_linear = linear_ops(forward)
     joined_grads = torch.autograd.grad(joined, parameters, grad)
-    handle = layer.q_proj.register_forward_hook(lambda module, inputs, output: None)
-    apart, apart_linear = linear_ops(forward)
-    apart_grads = torch.autograd.grad(apart, parameters, grad)
-    handle.remove()
-    torch.testing.assert_close(joined, apart)
-    for got, want in zip(joined_grads, apart_grads):
-        torch.testing.assert_close(got, want)
-    assert (joined_linear, apart_linear) == (2, 4)  # q, k, v joined, and the output projection
     with torch.no_grad():
-        torch.testing.assert_close(linear_ops(forward)[0], apart)
-        assert linear_ops(forward)[1] == 4
+        joined_without_gradient = linear_ops(forward)
+    monkeypatch.setattr(layer, "heads", heads_apart(layer))
+    apart = forward()
+    torch.testing.assert_close(joined, apart)
+    for got, want in zip(joined_grads, torch.autograd.grad(apart, parameters, grad)):
+        torch.testing.assert_close(got, want)
+    torch.testing.assert_close(joined_without_gradient[0], apart)
+    assert (joined_linear, joined_without_gradient[1]) == (2, 2)  # q, k and v in one, and the output projection
 
 
 @pytest.mark.parametrize(
@@ -1115,11 +1129,12 @@ def test_training_projects_queries_keys_and_values_in_one_product_with_the_same_
         "spe_conv",
     ],
 )
-def test_joined_projections_keep_no_more_memory_for_backward_than_projections_apart(encoding):
-    """A train step with q, k and v joined keeps no more bytes for backward than with the projections apart: the
-    memory behind every tensor autograd saves, each storage counted once. A v that stayed a view of the joined
-    output kept q's and k's columns alive until backward (3x v's memory a layer: 7% of the default's peak at 8k).
-    SPE keeps q and k themselves, views of the joined output, so a copy of v there kept one v more."""
+def test_one_input_projection_keeps_no_more_memory_for_backward_than_projections_apart(encoding, monkeypatch):
+    """A train step with q, k and v from one projection keeps no more bytes for backward than with three apart
+    (``heads_apart``): the memory behind every tensor autograd saves, each storage counted once. A v that stayed a
+    view of the joined output kept q's and k's columns alive until backward (3x v's memory a layer: 7% of the
+    default's peak at 8k). SPE keeps q and k themselves, views of the joined output, so a copy of v there kept one
+    v more."""
     torch.manual_seed(0)
     layer = lrpe_hf.LinearAttention(64, 4, positional_encoding=encoding, causal=True, max_positions=64)
     x = torch.randn(2, 64, 64, requires_grad=True)
@@ -1137,5 +1152,5 @@ def test_joined_projections_keep_no_more_memory_for_backward_than_projections_ap
         return sum(storages.values())
 
     joined = saved_bytes()
-    layer.q_proj.register_forward_hook(lambda module, inputs, output: None)  # the projections run apart
+    monkeypatch.setattr(layer, "heads", heads_apart(layer))
     assert joined <= saved_bytes()

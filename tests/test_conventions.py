@@ -6,6 +6,7 @@ The reference models are tiny and random; what is compared is behaviour (what a 
 where it stops), not values.
 """
 
+import re
 import subprocess
 import sys
 import textwrap
@@ -493,14 +494,14 @@ def test_sentence_transformers_reads_a_masked_lm_checkpoint(tokenizer, tmp_path)
 
 @pytest.mark.parametrize("family", ["roberta", "gpt", "vit"])
 def test_peft_lora_on_each_family(family, tokenizer, tmp_path):
-    """LoRA with peft's default targets for a config it does not know (q_proj, v_proj, found by name), trained
+    """LoRA on the attention's input projection (qkv_proj, named: peft has no default for these types), trained
     one step, merged, saved and reloaded: the merged model computes what the adapted one did."""
     peft = pytest.importorskip("peft")
     model, inputs = family_models(tokenizer)[family]
     adapted = peft.get_peft_model(
-        model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+        model, peft.LoraConfig(r=4, target_modules=["qkv_proj"], init_lora_weights=False)
     )
-    assert adapted.get_nb_trainable_parameters()[0] == 2 * 2 * 4 * (32 + 32)
+    assert adapted.get_nb_trainable_parameters()[0] == 2 * 4 * (32 + 3 * 32)  # 2 layers: A (4, 32), B (96, 4)
     adapted.eval()
     with torch.no_grad():
         expected = adapted(**inputs).logits
@@ -528,3 +529,32 @@ def test_bf16_on_a_machine_without_a_gpu_trains_on_the_cpu(flag, tmp_path):
     assert training_args.bf16 and training_args.use_cpu
     *_, training_args = parse_script_arguments(argument_parser(), ["--output_dir", str(tmp_path)])
     assert not training_args.bf16 and not training_args.use_cpu
+
+
+def test_a_checkpoint_with_q_k_and_v_projections_apart_is_refused_not_drawn_at_random(tmp_path):
+    """A checkpoint saved when q, k and v had projections of their own (q_proj, k_proj, v_proj) would load with the
+    joined qkv_proj drawn at random (transformers only warns of missing keys): it is refused, saying how to join
+    them; the same weights joined as the error says load and compute what the model did."""
+    from safetensors.torch import load_file, save_file
+
+    torch.manual_seed(0)
+    config = lrpe_hf.LinearGPTConfig(vocab_size=50, hidden_size=16, num_attention_heads=2, num_hidden_layers=2)
+    model = lrpe_hf.LinearGPTForCausalLM(config).eval()
+    model.save_pretrained(tmp_path)
+    weights = load_file(tmp_path / "model.safetensors")
+    apart = {}
+    for name, tensor in weights.items():
+        parts = zip("qkv", tensor.chunk(3)) if "qkv_proj" in name else [("", tensor)]
+        apart |= {name.replace("qkv_proj", f"{p}_proj"): part.contiguous() for p, part in parts}
+    save_file(apart, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"q_proj, k_proj and v_proj weights \(and biases\) in that order"):
+        lrpe_hf.LinearGPTForCausalLM.from_pretrained(tmp_path)
+    joined = {name: tensor for name, tensor in apart.items() if not re.search(r"\.[qkv]_proj\.", name)}
+    for name in [name for name in apart if ".q_proj." in name]:
+        joined[name.replace("q_proj", "qkv_proj")] = torch.cat([apart[name.replace("q_", f"{p}_")] for p in "qkv"])
+    save_file(joined, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    ids = torch.randint(0, 50, (1, 7))
+    reloaded, info = lrpe_hf.LinearGPTForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded.eval()(ids).logits, model(ids).logits)

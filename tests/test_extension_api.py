@@ -102,7 +102,7 @@ def test_custom_encoding_and_feature_map_train_and_round_trip_in_every_family(re
     labels = torch.tensor([0, 2]) if family == "vit" else inputs["input_ids"]
     loss = model(**inputs, labels=labels).loss
     loss.backward()
-    assert torch.isfinite(loss) and model.model.stack.layers[-1].self_attn.q_proj.weight.grad.abs().sum() > 0
+    assert torch.isfinite(loss) and model.model.stack.layers[-1].self_attn.qkv_proj.weight.grad.abs().sum() > 0
     model.eval().save_pretrained(tmp_path)
     reloaded = model_class.from_pretrained(tmp_path).eval()
     with torch.no_grad():
@@ -113,7 +113,7 @@ def test_alibi_decay_matches_its_formula_and_generates(registered, tmp_path):
     torch.manual_seed(0)
     layer = lrpe_hf.LinearAttention(16, 2, positional_encoding="alibi", causal=True, chunk_size=4).double()
     x = torch.randn(1, 11, 16, dtype=torch.float64)
-    q, k, v = (proj(x).view(1, 11, 2, 8).transpose(1, 2) for proj in (layer.q_proj, layer.k_proj, layer.v_proj))
+    q, k, v = layer.qkv_proj(x).view(1, 11, 3, 2, 8).transpose(1, 3).unbind(2)
     phi_q, phi_k = F.elu(q) + 1, F.elu(k) + 1
     slopes = layer.positional_encoding.log_slopes.exp()
     lag = torch.arange(11)[:, None] - torch.arange(11)[None, :]

@@ -187,8 +187,8 @@ def test_relative_linear_student_keeps_the_weights_and_runs_past_the_table():
     student = lrpe_hf.linearize(teacher, absolute_position_embedding="none")
     assert student.config.positional_encoding == "lrpe_orthogonal" and student.config.attention == "linear"
     torch.testing.assert_close(
-        student.model.stack.layers[1].self_attn.q_proj.weight,
-        teacher.transformer.h[1].attn.c_attn.weight[:, :32].T,
+        student.model.stack.layers[1].self_attn.qkv_proj.weight,
+        teacher.transformer.h[1].attn.c_attn.weight.T,
     )
     with torch.no_grad():
         logits = student(torch.randint(3, 60, (1, 4 * teacher.config.n_positions))).logits
@@ -307,7 +307,7 @@ def test_one_attention_transfer_step_lowers_the_transfer_loss(loss, fields):
     student = lrpe_hf.linearize(teacher, **fields).eval()
     trainable = lrpe_hf.linearize_transfer_parameters(student)
     assert trainable and all(p.requires_grad for p in trainable)
-    frozen = {name: p.detach().clone() for name, p in student.named_parameters() if "q_proj" in name}
+    frozen = {name: p.detach().clone() for name, p in student.named_parameters() if "qkv_proj" in name}
     ids = torch.randint(3, 60, (4, 16))
     with torch.no_grad():
         hidden_states = teacher(ids, output_hidden_states=True).hidden_states
@@ -370,7 +370,7 @@ def test_attention_weights_are_the_ones_the_layer_applies(fields):
     mask = torch.ones(2, 11, dtype=torch.bool)
     mask[1, :3] = False
     weights = layer.attention_weights(x, mask)  # (B, H, N, N)
-    values = layer.split_heads(layer.v_proj(x)) * mask[:, None, :, None]
+    values = layer.qkv_proj(x).view(2, 11, 3, 2, 8)[:, :, 2].transpose(1, 2) * mask[:, None, :, None]  # v's rows
     out = layer.o_proj((weights @ values).transpose(1, 2).reshape(2, 11, 16))
     torch.testing.assert_close(out, reference_attention(layer, x, mask))
     assert weights[1, :, :3].abs().max() == 0 and weights[1, :, :, :3].abs().max() == 0

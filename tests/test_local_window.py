@@ -65,7 +65,7 @@ def windowed_reference(layer, x, mask, positions=None, draw=None):
     def proj(linear, t):
         return t @ linear.weight.double().T + linear.bias.double()
 
-    q, k, v = (proj(lin, x).view(B, N, H, D) for lin in (layer.q_proj, layer.k_proj, layer.v_proj))
+    q, k, v = proj(layer.qkv_proj, x).view(B, N, 3, H, D).unbind(2)
     v = v * mask[:, :, None, None]
     out = torch.zeros(B, N, H, D, dtype=torch.float64)
     window = layer.attention.local_window

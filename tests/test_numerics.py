@@ -12,9 +12,9 @@ def layer_at(query_level, key_level, spread=1.0, feature_map="exp", causal=True,
     torch.manual_seed(seed)
     layer = LinearAttention(16, 2, feature_map=feature_map, causal=causal, normalization=normalization)
     with torch.no_grad():
-        for proj, level in ((layer.q_proj, query_level), (layer.k_proj, key_level)):
-            proj.weight.normal_(0.0, spread / 16**0.5)
-            proj.bias.fill_(level)
+        for rows, level in ((slice(0, 16), query_level), (slice(16, 32), key_level)):  # qkv_proj's q, k rows
+            layer.qkv_proj.weight[rows].normal_(0.0, spread / 16**0.5)
+            layer.qkv_proj.bias[rows].fill_(level)
     return layer.eval()
 
 
@@ -60,12 +60,15 @@ def test_stabilised_maps_under_half_precision_autocast_match_float64(case, causa
         layer.float()
         with torch.autocast("cpu", dtype=dtype):
             got = layer(x).float()
-    scale = reference.abs().mean()
-    assert scale > 1e-3
+    assert reference.abs().mean() > 1e-3
     # LayerNorm divides each row by its spread over the heads, which magnifies the rounding of rows whose heads
     # nearly agree: twice the room there
     room = 8 if normalization == "output_layer_norm" else 4
-    torch.testing.assert_close(got, reference, atol=TOLERANCE[dtype] * scale * room, rtol=TOLERANCE[dtype] * room)
+    # each token's output within the rounding of its own size: one entry, a sum of 512 signed terms, may cancel to
+    # near zero and keep little of its relative precision (FAVOR+'s wide features: up to 0.2x the outputs' mean
+    # size in bfloat16 over seeds), where the token's output as a whole is right; a token or a head gone wrong is not
+    error = torch.linalg.vector_norm(got - reference, dim=-1) / torch.linalg.vector_norm(reference, dim=-1)
+    assert torch.isfinite(got).all() and error.max() <= TOLERANCE[dtype] * room, float(error.max())
 
 
 @pytest.mark.parametrize("encoding", ["none", "permute", "rope"])

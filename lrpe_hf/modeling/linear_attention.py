@@ -29,7 +29,6 @@ from .attention_state import ValueHistory
 from .context_parallel import active_group, refuse_in_context_parallel
 from .kernel_attention import KernelAttention
 from .positions import mask_as_bool
-from .projections import project
 from .registry import build_positional_encoding, build_shared_codes, positional_encoding_entry
 from .softmax_attention import SoftmaxAttention
 
@@ -60,7 +59,7 @@ class LinearAttention(nn.Module):
             and draws them at every forward, and redraws random features (``performer_redraw``) at every training
             forward. A model passes ``False``, shares one draw across its layers (``shared_draw``) and redraws
             once per step itself.
-        bias: use biases in the q/k/v/output projections.
+        bias: use biases in the input projection (``qkv_proj``: q, k and v side by side) and the output one.
 
     forward(hidden_states (B, N, hidden_size), attention_mask (B, N) = None, position_ids (B, N) or (B, N, 2)
     = None, state = None, shared_draw = None, call = None) -> (B, N, hidden_size). ``call``: a ``LayerCall``
@@ -85,9 +84,7 @@ class LinearAttention(nn.Module):
         self.options = o = o if o.num_heads == num_heads else replace(o, num_heads=num_heads)
         self.hidden_size, self.num_heads = hidden_size, num_heads
         self.head_dim = hidden_size // num_heads
-        self.q_proj = nn.Linear(hidden_size, hidden_size, bias=bias)
-        self.k_proj = nn.Linear(hidden_size, hidden_size, bias=bias)
-        self.v_proj = nn.Linear(hidden_size, hidden_size, bias=bias)
+        self.qkv_proj = nn.Linear(hidden_size, 3 * hidden_size, bias=bias)  # rows: q's, then k's, then v's
         self.o_proj = nn.Linear(hidden_size, hidden_size, bias=bias)
 
         # Widths: head_dim -> (encode_query_key) query_key_dim -> (feature map) feature_dim -> (encode_features).
@@ -127,10 +124,6 @@ class LinearAttention(nn.Module):
         """Redraw random feature maps that ask for it (once per training step)."""
         if self.feature_map is not None:
             self.feature_map.redraw()
-
-    def split_heads(self, x):
-        B, N, _ = x.shape
-        return x.view(B, N, self.num_heads, self.head_dim).transpose(1, 2)
 
     def forward(self, hidden_states, attention_mask=None, position_ids=None, state=None, shared_draw=None, call=None):
         """``call``: a ``LayerCall``, what a model finds once for all its layers (packed rows' documents, consecutive
@@ -205,15 +198,23 @@ class LinearAttention(nn.Module):
         return shared_draw
 
     def heads(self, hidden_states, mask, values=None):
-        """q, k (B, H, N, d) and v (B, H, N, d), or the given ``values``; padded values zeroed (they contribute
-        nothing in any path, nor to saved states)."""
-        projected_qkv = (self.q_proj, self.k_proj) + ((self.v_proj,) if values is None else ())
-        projections = project(projected_qkv, hidden_states, keep_views=self.positional_encoding.keeps_query_key)
-        q, k = self.split_heads(projections[0]), self.split_heads(projections[1])
-        v = self.split_heads(projections[2]) if values is None else values
+        """q, k, v (B, H, N, d) from the one input projection ``qkv_proj`` (one product forward, one of each kind
+        backward), views of its output, or the given ``values`` for v; padded values zeroed (they contribute nothing
+        in any path, nor to saved states). Where v wants a gradient it is copied into memory of its own: the
+        products keep v for backward, and a view would keep q's and k's columns alive with it (3x the memory); fla's
+        path would make that copy anyway. Not where the encoding keeps q and k themselves (``keeps_query_key``):
+        their columns stay alive then, and a copy would keep one v more."""
+        B, N, _ = hidden_states.shape
+        q, k, v = self.qkv_proj(hidden_states).view(B, N, 3, self.num_heads, self.head_dim).unbind(2)
+        if values is not None:
+            v = values
+        else:
+            if v.requires_grad and not self.positional_encoding.keeps_query_key:
+                v = v.contiguous()
+            v = v.transpose(1, 2)
         if mask is not None:
             v = v.masked_fill(~mask[:, None, :, None], 0.0)
-        return q, k, v
+        return q.transpose(1, 2), k.transpose(1, 2), v
 
     def value_bias(self, v, inputs):
         """The encoding's bias from every visible value (FastRPB), over the state's stored history while decoding."""

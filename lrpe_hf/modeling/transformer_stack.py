@@ -5,6 +5,7 @@ every layer, one draw per forward) and the redraw of random features (once per t
 runs, so that gradient checkpointing replays the same features). The attention options are built once here.
 """
 
+import re
 from dataclasses import replace
 
 import torch
@@ -187,6 +188,9 @@ def check_segments(token_type_ids, type_vocab_size: int = 1):
     )
 
 
+SEPARATE_PROJECTION = re.compile(r"self_attn\.[qkv]_proj\.")
+
+
 class LinearPreTrainedModel(PreTrainedModel):
     """Weight initialisation and capabilities shared by the three families."""
 
@@ -211,6 +215,22 @@ class LinearPreTrainedModel(PreTrainedModel):
             }
             self.config.auto_map = {**(getattr(self.config, "auto_map", None) or {}), **family}
         return super().save_pretrained(save_directory, *args, **kwargs)
+
+    @classmethod
+    def from_pretrained(cls, *args, output_loading_info: bool = False, **kwargs):
+        """transformers' ``from_pretrained``, refusing a checkpoint whose attention has q, k and v projections of
+        their own (``q_proj``, ``k_proj``, ``v_proj``: how checkpoints were saved before they were joined into
+        ``qkv_proj``), which would otherwise load with ``qkv_proj`` drawn at random."""
+        model, loading_info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
+        separate = sorted({key for key in loading_info["unexpected_keys"] if SEPARATE_PROJECTION.search(key)})
+        if separate:
+            raise ValueError(
+                f"This checkpoint keeps q, k and v in projections of their own ({', '.join(separate[:3])}, ...): it "
+                "was saved before they were joined into one, qkv_proj. Load it with the model code saved beside it "
+                "(trust_remote_code=True), or join each layer's q_proj, k_proj and v_proj weights (and biases) in "
+                "that order along dim 0 into qkv_proj in its state dict, then load that"
+            )
+        return (model, loading_info) if output_loading_info else model
 
     def _check_and_adjust_attn_implementation(self, attn_implementation, *args, **kwargs):
         """What transformers' ``attn_implementation`` means here (``from_pretrained(..., attn_implementation=...)``,

@@ -50,7 +50,8 @@ class ModelArguments:
     lora_alpha: float = field(default=16.0, metadata={"help": "LoRA scaling alpha (the update is scaled by alpha/r)"})
     lora_dropout: float = field(default=0.0, metadata={"help": "dropout on the LoRA branch"})
     lora_target_modules: str = field(
-        default="q_proj,v_proj", metadata={"help": "comma-separated module names that get LoRA adapters"}
+        default="qkv_proj",
+        metadata={"help": "comma-separated module names that get LoRA adapters (qkv_proj, o_proj, fc1, fc2)"},
     )
 
     def config_fields(self) -> dict:

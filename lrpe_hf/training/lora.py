@@ -1,6 +1,7 @@
 """LoRA fine-tuning with peft: the adapter is what the run saves and pushes; the merged model is written beside it.
 
-Adapters train on ``--lora_target_modules`` (default: the attention's q_proj and v_proj, as in the LoRA paper);
+Adapters train on ``--lora_target_modules`` (default: the attention's input projection ``qkv_proj``, which holds
+q, k and v side by side, as GPT-2's ``c_attn`` does);
 a classification head is trained in full (peft's ``modules_to_save`` for SEQ_CLS: ``classifier`` / ``score``).
 """
 
@@ -23,8 +24,8 @@ def apply_lora(model, model_args, task: str):
     missing = [name for name in targets if name not in names]
     if missing:
         raise ValueError(
-            f"--lora_target_modules {', '.join(missing)}: no such module in the model; the attention's are q_proj, "
-            "k_proj, v_proj, o_proj and the MLP's fc1, fc2"
+            f"--lora_target_modules {', '.join(missing)}: no such module in the model; the attention's are "
+            "qkv_proj (q, k and v side by side) and o_proj, the MLP's fc1 and fc2"
         )
     config = LoraConfig(
         task_type=TASK_TYPES[task],
