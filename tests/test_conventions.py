@@ -498,9 +498,7 @@ def test_peft_lora_on_each_family(family, tokenizer, tmp_path):
     one step, merged, saved and reloaded: the merged model computes what the adapted one did."""
     peft = pytest.importorskip("peft")
     model, inputs = family_models(tokenizer)[family]
-    adapted = peft.get_peft_model(
-        model, peft.LoraConfig(r=4, target_modules=["qkv_proj"], init_lora_weights=False)
-    )
+    adapted = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["qkv_proj"], init_lora_weights=False))
     assert adapted.get_nb_trainable_parameters()[0] == 2 * 4 * (32 + 3 * 32)  # 2 layers: A (4, 32), B (96, 4)
     adapted.eval()
     with torch.no_grad():
