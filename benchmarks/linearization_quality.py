@@ -19,6 +19,7 @@ folder of ``train.csv`` and ``validation.csv``). For each seed:
 
     python benchmarks/linearization_quality.py --output_dir out/linearization --seeds 0,1,2
     python benchmarks/linearization_quality.py --seeds 0 --feature_maps hedgehog --encodings none   # one student
+    python benchmarks/linearization_quality.py --seeds 0 --feature_maps hedgehog --local_window 16  # windowed ones
 
 Each run's metrics go to ``<output_dir>/seed<N>/<run>/result.json`` (a finished run is reused when the script is run
 again) and one row per run to ``<output_dir>/results.csv``, which keeps the rows of earlier invocations (other
@@ -101,6 +102,10 @@ def main():
     parser.add_argument("--feature_maps", default="elu,hedgehog,t2r")
     parser.add_argument("--encodings", default="none,rope,lrpe_orthogonal")
     parser.add_argument("--transfer_loss", default="output_mse", choices=linearization.TRANSFER_LOSSES)
+    parser.add_argument(
+        "--local_window", type=int, default=0,
+        help="the students' local_window: exact softmax over each query's W nearest tokens (0, the default: none)",
+    )  # fmt: skip
     parser.add_argument("--scratch_encoding", default="lrpe_orthogonal", help="empty: no from-scratch run")
     parser.add_argument("--teacher_steps", type=int, default=300)
     parser.add_argument("--transfer_steps", type=int, default=50)
@@ -147,12 +152,14 @@ def main():
 
         for feature_map in args.feature_maps.split(","):
             for encoding in args.encodings.split(","):
-                transfer = has_transfer_parameters(teacher, feature_map, encoding)
+                transfer = has_transfer_parameters(teacher, feature_map, encoding, args.local_window)
                 stages = f"{args.transfer_loss}-{args.transfer_steps}+" if transfer else ""
-                folder = root / f"{feature_map}-{encoding}-{stages}{args.finetune_steps}"
+                window = f"window{args.local_window}-" if args.local_window else ""
+                folder = root / f"{feature_map}-{encoding}-{window}{stages}{args.finetune_steps}"
                 student = [
                     *["--model_name_or_path", teacher, "--task", "classification", "--feature_map", feature_map],
                     *["--positional_encoding", encoding, "--transfer_loss", args.transfer_loss],
+                    *(["--local_window", args.local_window] if args.local_window else []),
                     *["--transfer_steps", args.transfer_steps, "--transfer_learning_rate", args.transfer_learning_rate],
                     *["--stages", "attention_transfer,finetune" if transfer else "finetune"],
                     *finetune, "--max_steps", args.finetune_steps, *common, "--output_dir", folder,
@@ -171,6 +178,7 @@ def main():
                     )
                 steps = args.teacher_steps + args.finetune_steps + (args.transfer_steps if transfer else 0)
                 model = f"linearized, {args.transfer_steps} {args.transfer_loss} steps" if transfer else "linearized"
+                model = model.replace("linearized", f"linearized, window {args.local_window}") if window else model
                 row(model, steps, dict(metrics["finetune"], seconds=metrics["seconds"]), feature_map, encoding,
                     args.transfer_loss if transfer else "-", **extra)  # fmt: skip
 
@@ -193,10 +201,10 @@ def main():
     print("\n".join(linearization_table(rows)))
 
 
-def has_transfer_parameters(teacher: Path, feature_map: str, encoding: str) -> bool:
-    """Whether ``teacher`` converted with this feature map and encoding has anything for attention transfer to
-    train (1 + elu with no encoding or rope has not: its student goes straight to fine-tuning)."""
-    student = linearize(str(teacher), positional_encoding=encoding, feature_map=feature_map)
+def has_transfer_parameters(teacher: Path, feature_map: str, encoding: str, local_window: int = 0) -> bool:
+    """Whether ``teacher`` converted with this feature map, encoding and window has anything for attention transfer
+    to train (1 + elu with no encoding or rope and no window has not: its student goes straight to fine-tuning)."""
+    student = linearize(str(teacher), positional_encoding=encoding, feature_map=feature_map, local_window=local_window)
     return bool(linearize_transfer_parameters(student))
 
 

@@ -333,7 +333,9 @@ def test_a_causal_layer_compiles_to_one_graph_with_the_eager_values_and_gradient
     got = torch.compile(layer, backend="aot_eager", fullgraph=True)(x, attention_mask=mask)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
     for g, w in zip(torch.autograd.grad(got, inputs, grad), torch.autograd.grad(expected, inputs, grad)):
-        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-4)
+        # a gradient summed over tokens is rounded relative to its largest terms: the absolute room scales with
+        # the tensor's size (compiled and eager were each within 3e-5 of float64 there, relative to the largest)
+        torch.testing.assert_close(g, w, atol=1e-5 * max(1.0, w.abs().max().item()), rtol=1e-4)
 
 
 @pytest.mark.parametrize("encoding", ["lrpe_orthogonal", "permute", "fastrpb"])

@@ -151,8 +151,12 @@ def test_bf16_forward_is_finite(encoding):
             torch.bfloat16
         )
         x = torch.randn(2, 200, 64, dtype=torch.bfloat16)
+        # SPE draws its codes at every training forward: both forwards draw the same ones (the comparison is of the
+        # precisions, not of two draws, which differed by up to 1.25x this bound between seeds)
+        torch.manual_seed(1)
         out = layer(x)
         assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+        torch.manual_seed(1)
         reference = layer.float()(x.float())
         layer.to(torch.bfloat16)
         assert (out.float() - reference).abs().max() < 0.1 * reference.abs().max() + 0.05

@@ -49,7 +49,7 @@ def test_a_decoding_step_stores_float32_cpu_weights_column_major_with_the_same_v
     with torch.enable_grad():  # a forward that records gradients keeps the layout
         expected = decode(reference, ids, steps=4)
     weights, reference_weights = projection_weights(model), projection_weights(reference)
-    assert len(weights) == 2 * 6  # q, k, v, o, fc1, fc2 per layer
+    assert len(weights) == 2 * 4  # qkv, o, fc1, fc2 per layer
     assert all(is_column_major(w) for w in weights.values())
     assert not any(is_column_major(w) for w in reference_weights.values())
     for name, weight in weights.items():
