@@ -82,11 +82,12 @@ lint: install
 
 # Both cores: pytest-xdist's two workers share the suite, one torch thread each (two threads each would contend for
 # the two cores: 18% slower on the models' and kernels' tests), then the tests whose each case starts several
-# processes of one job (ranks of a distributed run) run alone, so that no two such jobs share the cores.
+# processes of one job (ranks of a distributed run) run alone, so that no two such jobs share the cores. ``worksteal``:
+# a worker that runs out takes tests queued for the other, so that the long ones near the end do not leave a core idle.
 MULTIPROCESS_TESTS := tests/test_distributed.py tests/test_context_parallel.py
 
 test: install harness
-	OMP_NUM_THREADS=1 $(PYTHON) -m pytest -q -n 2 $(addprefix --ignore=,$(MULTIPROCESS_TESTS)) tests
+	OMP_NUM_THREADS=1 $(PYTHON) -m pytest -q -n 2 --dist worksteal $(addprefix --ignore=,$(MULTIPROCESS_TESTS)) tests
 	$(PYTHON) -m pytest -q $(MULTIPROCESS_TESTS)
 
 # The two ends of the range setup.cfg declares, each in its own environment: the oldest releases of transformers and
