@@ -87,6 +87,20 @@ def feature_map_field(feature_map):
     return {} if feature_map is None else {"feature_map": feature_map}
 
 
+def train_step_reads(model, ids, kwargs, rows, encoding):
+    """The host reads of one LM train step (forward and backward): none inside the layers, and outside them only
+    those the model's entry may make for these rows. Returns the reads."""
+
+    def step(reads):
+        loss = model(ids, labels=ids, **kwargs).loss
+        reads.backward(loss) if reads is not None else loss.backward()
+
+    reads = counted(model, step)
+    assert not reads.inside_layers(), describe(reads.inside_layers())
+    assert entry_reads_allowed(reads.outside_layers(), rows, encoding), describe(reads.outside_layers())
+    return reads
+
+
 @pytest.mark.parametrize("rows", ["plain", "left-padded", "packed"])
 @pytest.mark.parametrize(("encoding", "feature_map"), configurations(True), ids=ids_of(configurations(True)))
 def test_a_causal_lm_train_step_reads_nothing_inside_its_layers(encoding, feature_map, rows):
@@ -96,14 +110,7 @@ def test_a_causal_lm_train_step_reads_nothing_inside_its_layers(encoding, featur
     )
     model = lrpe_hf.LinearGPTForCausalLM(config).train()
     ids, kwargs = text_inputs(rows)
-
-    def step(reads):
-        loss = model(ids, labels=ids, **kwargs).loss
-        reads.backward(loss) if reads is not None else loss.backward()
-
-    reads = counted(model, step)
-    assert not reads.inside_layers(), describe(reads.inside_layers())
-    assert entry_reads_allowed(reads.outside_layers(), rows, encoding), describe(reads.outside_layers())
+    reads = train_step_reads(model, ids, kwargs, rows, encoding)
     if rows != "packed":
         assert not reads.outside_layers(), describe(reads.outside_layers())
 
@@ -195,14 +202,7 @@ def test_a_windowed_train_step_and_decoding_step_read_nothing_inside_the_layers(
     config = lrpe_hf.LinearGPTConfig(vocab_size=60, positional_encoding=encoding, local_window=5, **TINY)
     model = lrpe_hf.LinearGPTForCausalLM(config).train()
     ids, kwargs = text_inputs(rows)
-
-    def train_step(reads):
-        loss = model(ids, labels=ids, **kwargs).loss
-        reads.backward(loss) if reads is not None else loss.backward()
-
-    reads = counted(model, train_step)
-    assert not reads.inside_layers(), describe(reads.inside_layers())
-    assert entry_reads_allowed(reads.outside_layers(), rows, encoding), describe(reads.outside_layers())
+    train_step_reads(model, ids, kwargs, rows, encoding)
     model.eval()
     cache = lrpe_hf.LinearAttentionCache(config.num_hidden_layers)
     with torch.no_grad():
